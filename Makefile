@@ -1,0 +1,46 @@
+# `make demo` and `make test` each set everything up on a fresh machine first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_PIN := torch==2.13.0
+PROTOS := $(wildcard protos/dpex/v1/*.proto)
+
+.PHONY: setup proto demo test test-unit test-integration bench clean
+
+setup: $(VENV)/.installed proto
+
+# torch first, pinned: a bare `torch` requirement would pull the CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_PIN)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+# Generated code lands in dpex/proto/ and is never edited; the virtual include
+# path makes the generated imports read `from dpex.proto import ...`.
+proto: $(VENV)/.proto
+
+$(VENV)/.proto: $(PROTOS) $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Idpex/proto=protos/dpex/v1 \
+		--python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $@
+
+demo: setup
+	$(PY) -m dpex.demo
+
+test: setup
+	$(PY) -m pytest tests
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+test-integration: setup
+	$(PY) -m pytest tests/integration
+
+bench: setup
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) dpex/proto/*_pb2*.py dpex/proto/*_pb2*.pyi .data

@@ -1,0 +1,1 @@
+"""Trainer side: RemoteDataLoader and the DataLoader-compatible wrapper."""

@@ -1,0 +1,266 @@
+"""Fetches one consumer's epoch: routes a request per batch (a credit) to the
+worker that owns it, keeps ``window`` batches in flight, drops duplicates and
+yields in plan order (or as they come, when unordered).
+
+The trainer's thread only moves bytes it already has; a control thread acks
+delivered batches to the dispatcher and long-polls for split owners.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import grpc
+
+from dpex.errors import DpexCancelledError, DpexError, DpexTimeoutError, DpexWorkerError
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import worker_pb2 as wpb
+from dpex.rpc import call
+from dpex.client.streams import Received, StreamPool
+from dpex.wire import decode, parse_frame
+
+log = logging.getLogger("dpex.client")
+
+_WAIT_LOG_S = 30.0
+
+
+class _Owners(NamedTuple):
+    response: dpb.SyncConsumerResponse
+
+
+class _Failed(NamedTuple):
+    error: DpexError
+
+
+class Control:
+    """Acks delivered batches and learns who owns the rest, off the hot path."""
+
+    def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
+                 results: queue.SimpleQueue, retry_for_s: float) -> None:
+        self._stub, self._target = stub, target
+        self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch)
+        self._results = results
+        self._retry_for_s = retry_for_s
+        self._lock = threading.Lock()
+        self._acks: list[int] = []
+        self._future: grpc.Future | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpex-control")
+        self._thread.start()
+
+    def ack(self, seq: int) -> None:
+        with self._lock:
+            self._acks.append(seq)
+
+    def _track(self, future: grpc.Future) -> None:
+        with self._lock:
+            self._future = future
+            if self._stop.is_set():
+                future.cancel()
+
+    def _sync(self, digest: bytes, wait_s: float, cancellable: bool = True) -> dpb.SyncConsumerResponse:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        try:
+            return call(self._stub.SyncConsumer,
+                        dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks,
+                                                owners_digest=digest, wait_s=wait_s),
+                        target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,
+                        stop=None if not cancellable else self._stop.is_set,
+                        track=self._track if cancellable else None)
+        except BaseException:
+            with self._lock:  # not delivered to the dispatcher: keep them for the next try
+                self._acks[:0] = acks
+            raise
+
+    def _run(self) -> None:
+        digest = b""
+        while not self._stop.is_set():
+            try:
+                response = self._sync(digest, wait_s=1.0)
+            except DpexCancelledError:
+                return
+            except DpexError as e:
+                if not self._stop.is_set():
+                    self._results.put(_Failed(e))
+                return
+            if response.owners_digest != digest:
+                digest = response.owners_digest
+                self._results.put(_Owners(response))
+
+    def close(self, flush: bool) -> None:
+        """Stops the thread; with ``flush``, sends the remaining acks first."""
+        self._stop.set()
+        with self._lock:
+            if self._future is not None:
+                self._future.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        if flush and self._acks:
+            try:
+                self._sync(b"", wait_s=0.0, cancellable=False)
+            except DpexError as e:
+                log.warning("could not report the last delivered batches: %s", e)
+
+
+class EpochFetcher:
+    """The iterator of one epoch of one consumer."""
+
+    def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
+                 consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
+                 timeout_s: float | None, retry_for_s: float,
+                 transform: Callable[[Any], Any] | None = None) -> None:
+        self._streams = streams
+        self._results = streams.results
+        self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
+        self._num = num_batches
+        self._window = window
+        self._ordered = ordered
+        self._timeout_s = timeout_s
+        self._transform = transform
+        self._owner: dict[int, str] = {}
+        self._requested: dict[int, str] = {}      # seq -> worker address
+        self._received: dict[int, tuple[wpb.Batch, memoryview]] = {}
+        self._retry: set[int] = set()
+        self._cursor = 0                           # next seq never requested
+        self._next = 0                             # next seq to yield (ordered)
+        self._delivered: set[int] = set()          # received once: later copies are duplicates
+        self._yielded = 0
+        self._workers_alive = -1
+        self._closed = False
+        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s)
+
+    def __iter__(self) -> "EpochFetcher":
+        return self
+
+    def __len__(self) -> int:
+        return self._num
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        last_progress = last_log = time.monotonic()
+        while True:
+            item = self._pop_ready()
+            if item is not None:
+                return self._finish(item)
+            if self._yielded >= self._num:
+                self.close()
+                raise StopIteration
+            self._top_up()
+            try:
+                got = self._results.get(timeout=1.0)
+            except queue.Empty:
+                now = time.monotonic()
+                if self._timeout_s is not None and now - last_progress > self._timeout_s:
+                    self.close()
+                    raise DpexTimeoutError(self._waiting_for(f"no batch arrived for {self._timeout_s:g}s"))
+                if now - last_log > _WAIT_LOG_S:
+                    last_log = now
+                    log.warning("%s", self._waiting_for("still waiting"))
+                continue
+            if self._handle(got):
+                last_progress = time.monotonic()
+
+    # ---- internals ------------------------------------------------------------
+    def _waiting_for(self, what: str) -> str:
+        missing = [s for s in range(self._num) if s not in self._delivered]
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        return (f"job {self._job_id} consumer {self._consumer} epoch {self._epoch}: {what}; "
+                f"{len(missing)} batches missing (seq {shown}); "
+                f"workers alive: {self._workers_alive if self._workers_alive >= 0 else 'unknown'}")
+
+    def _pop_ready(self) -> tuple[wpb.Batch, memoryview] | None:
+        if self._ordered:
+            return self._received.pop(self._next, None)
+        if self._received:
+            return self._received.pop(next(iter(self._received)))
+        return None
+
+    def _finish(self, item: tuple[wpb.Batch, memoryview]) -> Any:
+        meta, payload = item
+        self._yielded += 1
+        self._next = meta.seq + 1 if self._ordered else self._next
+        if meta.HasField("error"):
+            self.close()
+            e = meta.error
+            raise DpexWorkerError(e.type, e.message, e.traceback, e.worker, e.sample_index,
+                                  batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
+        batch = decode(payload)
+        return self._transform(batch) if self._transform is not None else batch
+
+    def _send(self, seq: int, address: str) -> None:
+        self._requested[seq] = address
+        self._streams.send(address, wpb.FetchRequest(job_id=self._job_id, consumer_index=self._consumer,
+                                                     epoch=self._epoch, seq=seq))
+
+    def _top_up(self) -> None:
+        outstanding = len(self._requested) + len(self._received)
+        # The next batch in order is always asked for, whatever the window: a
+        # window full of later batches must not block the one we wait for.
+        urgent = self._next if self._ordered else -1
+        for seq in sorted(self._retry):
+            address = self._owner.get(seq)
+            if address is not None and (outstanding < self._window or seq == urgent):
+                self._retry.discard(seq)
+                self._send(seq, address)
+                outstanding += 1
+        while self._cursor < self._num and (outstanding < self._window or self._cursor == urgent):
+            address = self._owner.get(self._cursor)
+            if address is None:
+                break
+            self._send(self._cursor, address)
+            self._cursor += 1
+            outstanding += 1
+
+    def _handle(self, got: Any) -> bool:
+        """Takes one result; True when a new batch arrived."""
+        if isinstance(got, _Owners):
+            self._workers_alive = got.response.workers_alive
+            self._owner = {}
+            for o in got.response.owners:
+                for seq in range(o.first_seq, o.first_seq + o.num_batches):
+                    self._owner[seq] = o.worker_address
+            return False
+        if isinstance(got, _Failed):
+            self.close()
+            raise got.error
+        assert isinstance(got, Received)
+        if got.frame is None:
+            log.warning("stream to worker %s failed: %s; re-requesting its batches", got.address, got.error)
+            self._streams.drop(got.address)
+            self._reroute(lambda seq, address: address == got.address)
+            return False
+        meta, payload = parse_frame(got.frame)
+        if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
+            return False  # from an earlier epoch or loader
+        seq = meta.seq
+        if meta.not_assigned:
+            if self._requested.get(seq) == got.address:
+                self._reroute(lambda s, address: s == seq)
+            return False
+        if seq in self._delivered or seq >= self._num:
+            return False  # a duplicate (e.g. re-sent after a reconnect)
+        self._requested.pop(seq, None)
+        self._retry.discard(seq)
+        self._delivered.add(seq)
+        self._received[seq] = (meta, payload)
+        self._control.ack(seq)
+        return True
+
+    def _reroute(self, which: Callable[[int, str], bool]) -> None:
+        for seq, address in list(self._requested.items()):
+            if which(seq, address):
+                del self._requested[seq]
+                self._retry.add(seq)
+                if self._owner.get(seq) == address:
+                    del self._owner[seq]  # until the dispatcher says who owns it now
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._control.close(flush=True)

@@ -1,0 +1,239 @@
+"""RemoteDataLoader: iterate batches that Dpex workers produced.
+
+The epoch's plan is made here, in the trainer, by torch's own samplers
+driven exactly as torch.utils.data.DataLoader drives them (it *is* a
+DataLoader over indices), so the same seed gives the same batches.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+import torch.utils.data as tud
+
+from dpex.client.fetcher import EpochFetcher
+from dpex.client.streams import StreamPool
+from dpex.dataset import DatasetSpec
+from dpex.errors import DpexConfigError, DpexConnectionError, DpexError, DpexWorkerError
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.proto import worker_pb2 as wpb
+from dpex.rpc import call, channel
+
+log = logging.getLogger("dpex.client")
+
+
+class _Indices(tud.Dataset):
+    """Stands in for the dataset while planning: item i is i."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _as_list(indices: list[int]) -> list[int]:
+    return indices
+
+
+class _Constant:
+    """A picklable callable returning a dataset instance shipped by value."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self) -> Any:
+        return self.dataset
+
+
+class _Resources:
+    """What a loader owns; closed once, by close() or when the loader is collected."""
+
+    def __init__(self) -> None:
+        self.cluster: Any = None
+        self.channel: Any = None
+        self.stub: Any = None
+        self.streams = StreamPool()
+        self.fetcher: EpochFetcher | None = None
+        self.release: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.fetcher is not None:
+            self.fetcher.close()
+        self.streams.close()
+        if self.release is not None:
+            try:
+                self.release()
+            except DpexError:
+                pass
+        if self.channel is not None:
+            self.channel.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+class RemoteDataLoader:
+    """Batches produced by Dpex workers, equal to what torch's DataLoader yields.
+
+    ``address`` is the dispatcher's HOST:PORT; None starts an embedded local
+    cluster (``processes`` worker processes) that lives as long as the loader.
+    ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
+    files) or a dataset instance (shipped to the workers by value).
+    ``timeout`` is how many seconds to wait for the next batch before raising
+    (None: wait as long as it takes). ``window`` batches are requested ahead.
+    """
+
+    def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
+                 shuffle: bool = False, seed: int | None = None, drop_last: bool = False,
+                 sampler: Any = None, batch_sampler: Any = None,
+                 collate_fn: Callable[[list], Any] | None = None, num_consumers: int = 1,
+                 consumer_index: int = 0, job_name: str | None = None, ordered: bool = True,
+                 timeout: float | None = None, *, generator: Any = None, window: int | None = None,
+                 processes: int | None = None, connect_timeout: float = 30.0) -> None:
+        if dataset is None:
+            raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
+        if batch_size is None and batch_sampler is None:
+            raise DpexConfigError("batch_size=None (no batching) is not supported; use batch_size=1")
+        if num_consumers < 1 or not 0 <= consumer_index < num_consumers:
+            raise DpexConfigError(f"consumer_index must be in 0..{num_consumers - 1}, got {consumer_index}")
+        if timeout is not None and timeout <= 0:
+            raise DpexConfigError("timeout must be > 0 seconds, or None to wait as long as it takes")
+        if window is not None and window < 1:
+            raise DpexConfigError("window must be >= 1")
+        if isinstance(dataset, tud.IterableDataset):
+            raise DpexConfigError("IterableDataset is not supported by RemoteDataLoader")
+        self._instance = None if isinstance(dataset, DatasetSpec) else dataset
+        spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
+        self.num_consumers, self.consumer_index = num_consumers, consumer_index
+        self.ordered, self.timeout = ordered, timeout
+        self._connect_timeout = connect_timeout
+        self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        try:
+            if address is None:
+                from dpex.cluster import LocalCluster
+                self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1)
+                address = self._res.cluster.address
+            self.address = address
+            self._target = f"dispatcher {address}"
+            self._res.channel = channel(address)
+            self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
+            job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
+                             collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
+                             num_consumers=num_consumers)
+            self.job_id = job_id = self._call(stub.GetOrCreateJob, dpb.GetOrCreateJobRequest(job=job)).job_id
+            target = self._target  # the lambda must not hold the loader: it runs at its collection
+            self._res.release = lambda: call(
+                stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
+                target=target, timeout_s=5)
+            length = len(dataset) if self._instance is not None else self._dataset_length()
+            if num_consumers > 1 and sampler is None and batch_sampler is None:
+                sampler = tud.DistributedSampler(_Indices(length), num_replicas=num_consumers,
+                                                 rank=consumer_index, shuffle=shuffle,
+                                                 seed=seed if seed is not None else 0)
+                shuffle = False
+            elif shuffle and sampler is None and generator is None and seed is not None:
+                import torch
+                generator = torch.Generator().manual_seed(seed)
+            self._plan = tud.DataLoader(_Indices(length), batch_size=batch_size, shuffle=shuffle,
+                                        sampler=sampler, batch_sampler=batch_sampler,
+                                        drop_last=drop_last, collate_fn=_as_list, generator=generator)
+            self._window = window or 4 * max(1, self._workers_alive())
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- public API ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
+        for s in (self._plan.sampler, self._plan.batch_sampler,
+                  getattr(self._plan.batch_sampler, "sampler", None)):
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._finalizer.alive is False:
+            raise DpexConfigError("this RemoteDataLoader is closed")
+        if self._res.fetcher is not None:
+            self._res.fetcher.close()
+        plan = [dpb.IndexBatch(indices=b) for b in self._plan]
+        epoch = self._epoch_counter
+        self._epoch_counter += 1
+        self._call(self._res.stub.SubmitPlan, dpb.SubmitPlanRequest(
+            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan))
+        self._res.fetcher = EpochFetcher(
+            stub=self._res.stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
+            consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
+            window=self._window, ordered=self.ordered, timeout_s=self.timeout,
+            retry_for_s=self._connect_timeout)
+        return self._res.fetcher
+
+    def close(self) -> None:
+        """Stops streams and threads, releases the job, stops an embedded cluster."""
+        self._finalizer()
+
+    def __enter__(self) -> "RemoteDataLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------
+    def _call(self, method: Any, request: Any) -> Any:
+        return call(method, request, target=self._target, timeout_s=60,
+                    retry_for_s=self._connect_timeout)
+
+    def _workers_alive(self) -> int:
+        status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
+        return sum(1 for w in status.workers if w.state == "alive")
+
+    def _dataset_length(self) -> int:
+        """Asks a worker to build the dataset and report its length."""
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
+            alive = [w.address for w in status.workers if w.state == "alive"]
+            for address in alive:
+                try:
+                    ch = channel(address)
+                    try:
+                        inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
+                                                 request_serializer=wpb.InspectRequest.SerializeToString,
+                                                 response_deserializer=wpb.InspectResponse.FromString)
+                        response = call(inspect, wpb.InspectRequest(job_id=self.job_id),
+                                        target=f"worker {address}", timeout_s=300)
+                    finally:
+                        ch.close()
+                except DpexConnectionError as e:
+                    log.warning("%s; trying another worker", e)
+                    continue
+                if response.HasField("error"):
+                    e = response.error
+                    raise DpexWorkerError(e.type, e.message, e.traceback, e.worker, e.sample_index,
+                                          batch="(building the dataset)")
+                if response.length < 0:
+                    raise DpexConfigError("the dataset has no __len__; RemoteDataLoader needs a map-style dataset")
+                return response.length
+            if time.monotonic() > deadline:
+                raise DpexConnectionError(
+                    f"no worker is registered with {self._target} (waited {self._connect_timeout:g}s)")
+            time.sleep(0.2)

@@ -1,0 +1,86 @@
+"""One bidirectional Fetch stream per worker, shared by a loader's epochs.
+
+Requests go out through a queue; a receiver thread per stream puts every
+frame (or the stream's failure) on the loader's results queue.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import NamedTuple
+
+import grpc
+
+from dpex.proto import worker_pb2 as wpb
+from dpex.rpc import CHANNEL_OPTIONS
+
+log = logging.getLogger("dpex.client")
+
+
+class Received(NamedTuple):
+    address: str
+    frame: bytes | None           # None: the stream failed
+    error: BaseException | None = None
+
+
+class _Stream:
+    def __init__(self, address: str, results: queue.SimpleQueue) -> None:
+        self.address = address
+        self._results = results
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        fetch = self._channel.stream_stream(
+            "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
+            response_deserializer=None)  # frames stay bytes: parsed without copies later
+        self._call = fetch(iter(self._requests.get, None))
+        self._thread = threading.Thread(target=self._receive, name=f"dpex-recv-{address}")
+        self._thread.start()
+
+    def send(self, request: wpb.FetchRequest) -> None:
+        self._requests.put(request)
+
+    def _receive(self) -> None:
+        try:
+            for frame in self._call:
+                self._results.put(Received(self.address, frame))
+            error: BaseException = ConnectionError(f"worker {self.address} closed the stream")
+        except grpc.RpcError as e:
+            error = e
+        if not self._closing:
+            self._results.put(Received(self.address, None, error))
+
+    def close(self) -> None:
+        self._closing = True
+        self._requests.put(None)  # ends the request iterator
+        self._call.cancel()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._channel.close()
+
+
+class StreamPool:
+    def __init__(self) -> None:
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+
+    def send(self, address: str, request: wpb.FetchRequest) -> None:
+        with self._lock:
+            stream = self._streams.get(address)
+            if stream is None:
+                stream = self._streams[address] = _Stream(address, self.results)
+        stream.send(request)
+
+    def drop(self, address: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(address, None)
+        if stream is not None:
+            stream.close()
+
+    def close(self) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()

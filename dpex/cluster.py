@@ -1,0 +1,172 @@
+"""LocalCluster: a dispatcher and workers as local processes on loopback ports."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from dpex.errors import DpexConfigError, DpexError
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the daemon gets SIGTERM when the process that started it dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Daemon:
+    """One daemon process started by a LocalCluster."""
+    name: str
+    process: subprocess.Popen
+    address: str
+    log_path: str
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class LocalCluster:
+    """Starts ``dpex-dispatcher`` and ``num_workers`` ``dpex-worker`` processes.
+
+    The cluster stops on :meth:`close`, on garbage collection, at interpreter
+    exit, and (Linux) when the starting process dies. Daemon logs go to
+    ``log_dir``. Extra keyword arguments become flags of the daemons
+    (``heartbeat_timeout_s=2`` -> ``--heartbeat-timeout 2``).
+    """
+
+    def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 split_size_batches: int = 4, buffer_batches: int = 8,
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+        if num_workers < 0 or processes < 1:
+            raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
+        self.host = host
+        self._processes = processes
+        self._hb = (heartbeat_interval_s, heartbeat_timeout_s)
+        self._buffer_batches = buffer_batches
+        self._start_timeout_s = start_timeout_s
+        self._env = {**os.environ, **(env or {})}
+        self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
+        self.log_dir = self._tmp.name
+        self._lock = threading.Lock()
+        self._count = 0
+        self.workers: list[Daemon] = []
+        self.dispatcher: Daemon | None = None
+        self._dispatcher_box: list[Daemon | None] = [None]
+        self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._lock, self.workers,
+                                           self._dispatcher_box, self._tmp)
+        try:
+            self.dispatcher = self._start("dispatcher", [
+                "dpex.cmd.dispatcher", "--host", host, "--port", "0",
+                "--heartbeat-interval", str(heartbeat_interval_s),
+                "--heartbeat-timeout", str(heartbeat_timeout_s),
+                "--split-size", str(split_size_batches)])
+            self._dispatcher_box[0] = self.dispatcher
+            self.address = self.dispatcher.address
+            self.add_workers(num_workers)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- daemons --------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, str, str]:
+        with self._lock:
+            self._count += 1
+            stem = os.path.join(self.log_dir, f"{name}-{self._count}")
+        ready, log_path = stem + ".ready", stem + ".log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready],
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       env=self._env, preexec_fn=_die_with_parent)
+        return process, ready, log_path
+
+    def _await(self, name: str, process: subprocess.Popen, ready: str, log_path: str) -> Daemon:
+        deadline = time.monotonic() + self._start_timeout_s
+        while not os.path.exists(ready):
+            daemon = Daemon(name, process, "", log_path)
+            if process.poll() is not None:
+                raise DpexError(f"{name} exited with code {process.returncode} at start:\n{daemon.log_tail()}")
+            if time.monotonic() > deadline:
+                _stop(process)
+                raise DpexError(f"{name} did not start within {self._start_timeout_s:g}s:\n{daemon.log_tail()}")
+            time.sleep(0.05)
+        with open(ready) as f:
+            return Daemon(name, process, f.read().strip(), log_path)
+
+    def _start(self, name: str, args: list[str]) -> Daemon:
+        return self._await(name, *self._spawn(name, args))
+
+    def _worker_args(self) -> list[str]:
+        return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", "0",
+                "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
+                "--heartbeat-interval", str(self._hb[0])]
+
+    def add_workers(self, n: int = 1) -> list[Daemon]:
+        """Starts ``n`` more workers (in parallel) and waits until they serve."""
+        started = [self._spawn("worker", self._worker_args()) for _ in range(n)]
+        daemons = []
+        for spawned in started:
+            daemons.append(self._await("worker", *spawned))
+            with self._lock:
+                self.workers.append(daemons[-1])
+        return daemons
+
+    def kill_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
+        """Sends ``sig`` to a worker (default SIGKILL) and waits for it to exit."""
+        daemon = self.workers[index]
+        daemon.process.send_signal(sig)
+        daemon.process.wait()
+        return daemon
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [w.address for w in self.workers if w.process.poll() is None]
+
+    # ---- lifetime -------------------------------------------------------------------
+    @staticmethod
+    def _close_all(lock: threading.Lock, workers: list[Daemon], dispatcher_box: list[Any],
+                   tmp: tempfile.TemporaryDirectory) -> None:
+        with lock:
+            daemons = list(workers)
+        for daemon in daemons:  # all at once, then wait for each
+            if daemon.process.poll() is None:
+                daemon.process.terminate()
+        for daemon in daemons:
+            _stop(daemon.process)
+        if dispatcher_box[0] is not None:
+            _stop(dispatcher_box[0].process)
+        tmp.cleanup()
+
+    def close(self) -> None:
+        """Stops every daemon; safe to call more than once."""
+        self._finalizer()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,36 @@
+"""What the daemons' entry points share: logging, signals, the ready file."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import click
+
+LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+
+
+def serve_until_signalled(server: Any, ready_file: str | None) -> None:
+    """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(server.address)
+        os.replace(tmp, ready_file)
+    stop.wait()
+    logging.getLogger("dpex").info("shutting down")
+    server.close()
+
+
+def fail(message: str) -> None:
+    raise click.ClickException(message)

@@ -1,0 +1,49 @@
+"""dpex-dispatcher: the registry of workers and jobs."""
+from __future__ import annotations
+
+import click
+
+from dpex.cmd.common import LOG_LEVELS, fail, serve_until_signalled, setup_logging
+from dpex.config import DispatcherConfig
+from dpex.errors import DpexError
+
+
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--port", type=int, default=7070, envvar="DPEX_PORT", show_envvar=True,
+              help="Port to listen on (0 picks a free one).")
+@click.option("--host", default="0.0.0.0", envvar="DPEX_HOST", show_envvar=True,
+              help="Address to bind.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, envvar="DPEX_WORK_DIR",
+              show_envvar=True, help="Directory for the journal (not yet used: state is in memory).")
+@click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+              show_envvar=True, help="Seconds between worker heartbeats (the long-poll length).")
+@click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
+              show_envvar=True, help="Seconds of silence after which a worker is lost.")
+@click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
+              help="Batches per split, the unit of work handed to a worker.")
+@click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
+def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
+         heartbeat_timeout: float, split_size: int, log_level: str, ready_file: str | None) -> None:
+    """Run the Dpex dispatcher: it registers workers, creates jobs, takes
+    the trainers' epoch plans and hands splits of them to workers.
+
+    \b
+    Example:
+      dpex-dispatcher --port 7070
+    then start workers with `dpex-worker --dispatcher HOST:7070`.
+    """
+    setup_logging(log_level)
+    from dpex.dispatcher.server import DispatcherServer
+    try:
+        config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
+                                  heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
+                                  work_dir=work_dir)
+        server = DispatcherServer(config)
+    except DpexError as e:
+        fail(str(e))
+    serve_until_signalled(server, ready_file)
+
+
+if __name__ == "__main__":
+    main()

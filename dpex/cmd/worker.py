@@ -1,0 +1,56 @@
+"""dpex-worker: builds datasets from local files and serves batches."""
+from __future__ import annotations
+
+import click
+
+from dpex.cmd.common import LOG_LEVELS, fail, serve_until_signalled, setup_logging
+from dpex.config import WorkerConfig
+from dpex.errors import DpexError
+
+
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
+              help="The dispatcher's HOST:PORT.")
+@click.option("--port", type=int, default=0, envvar="DPEX_PORT", show_envvar=True,
+              help="Port to serve batches on (0 picks a free one).")
+@click.option("--host", default="0.0.0.0", envvar="DPEX_HOST", show_envvar=True, help="Address to bind.")
+@click.option("--advertise-host", default=None, envvar="DPEX_ADVERTISE_HOST", show_envvar=True,
+              help="Host trainers should connect to [default: the interface that reaches the dispatcher].")
+@click.option("--processes", type=int, default=2, envvar="DPEX_PROCESSES", show_envvar=True,
+              help="Processes that load, transform and collate samples.")
+@click.option("--buffer-batches", type=int, default=8, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
+              help="Finished batches kept ready ahead of the trainers' requests.")
+@click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
+              help="Splits taken from the dispatcher at once.")
+@click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+              show_envvar=True, help="Seconds between heartbeats to the dispatcher.")
+@click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
+              show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
+@click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
+def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
+         buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
+         log_level: str, ready_file: str | None) -> None:
+    """Run a Dpex worker. It registers with the dispatcher, takes splits of
+    the trainers' plans, builds each job's dataset from its own local files,
+    and streams finished batches to the trainers.
+
+    \b
+    Example:
+      dpex-worker --dispatcher 10.0.0.1:7070 --processes 8
+    """
+    setup_logging(log_level)
+    from dpex.worker.server import WorkerServer
+    try:
+        config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
+                              processes=processes, buffer_batches=buffer_batches,
+                              max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
+                              connect_timeout_s=connect_timeout)
+        server = WorkerServer(config)
+    except DpexError as e:
+        fail(str(e))
+    serve_until_signalled(server, ready_file)
+
+
+if __name__ == "__main__":
+    main()

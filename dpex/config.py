@@ -1,0 +1,50 @@
+"""Frozen, validated configuration of the daemons. Units are in the names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpex.errors import DpexConfigError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise DpexConfigError(msg)
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    host: str = "0.0.0.0"
+    port: int = 7070                     # 0 picks a free port
+    heartbeat_interval_s: float = 1.0    # workers heartbeat this often (long-poll length)
+    heartbeat_timeout_s: float = 10.0    # a worker silent this long is lost
+    split_size_batches: int = 4          # batches per split (the unit of assignment)
+    work_dir: str | None = None          # None: in-memory only
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
+        _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+               "heartbeat_timeout_s must exceed heartbeat_interval_s")
+        _check(self.split_size_batches >= 1, "split_size_batches must be >= 1")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    dispatcher: str                      # HOST:PORT of the dispatcher
+    host: str = "0.0.0.0"                # bind address
+    port: int = 0                        # 0 picks a free port
+    advertise_host: str | None = None    # how trainers reach this worker; None: guessed
+    processes: int = 2                   # batch-producing processes
+    buffer_batches: int = 8              # finished batches held ahead of requests
+    max_held_splits: int = 4             # splits taken from the dispatcher at once
+    heartbeat_interval_s: float = 1.0
+    connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
+
+    def __post_init__(self) -> None:
+        _check(":" in self.dispatcher, f"dispatcher must be HOST:PORT, got {self.dispatcher!r}")
+        _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        _check(self.processes >= 1, "processes must be >= 1")
+        _check(self.buffer_batches >= 1, "buffer_batches must be >= 1")
+        _check(self.max_held_splits >= 1, "max_held_splits must be >= 1")
+        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
+        _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")

@@ -1,0 +1,66 @@
+"""DatasetSpec: how a worker builds a dataset from its own local files."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from dpex.errors import DpexConfigError, DpexNotFoundError
+
+
+class DatasetSpec:
+    """A dataset built on the worker: ``target(*args, **kwargs)``.
+
+    ``target`` is an import string ``"package.module:attr"`` (resolved on the
+    worker, so the trainer needs neither the code nor the data) or a callable,
+    which is shipped to workers by value. Paths in the arguments are paths on
+    the worker.
+    """
+
+    __slots__ = ("target", "args", "kwargs")
+
+    def __init__(self, target: str | Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        if isinstance(target, str):
+            module, sep, attr = target.partition(":")
+            if not sep or not module or not attr:
+                raise DpexConfigError(
+                    f"DatasetSpec target {target!r} must look like 'package.module:attr'")
+        elif not callable(target):
+            raise DpexConfigError(
+                f"DatasetSpec target must be an import string or a callable, not {type(target).__name__}")
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        name = self.target if isinstance(self.target, str) else getattr(
+            self.target, "__qualname__", repr(self.target))
+        parts = [repr(name)] + [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"DatasetSpec({', '.join(parts)})"
+
+    def __getstate__(self) -> tuple:
+        return (self.target, self.args, self.kwargs)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.target, self.args, self.kwargs = state
+
+    def build(self) -> Any:
+        """Resolves the target and calls it; runs on the worker."""
+        return resolve(self.target)(*self.args, **self.kwargs)
+
+
+def resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    """Turns ``"package.module:attr"`` into the object it names."""
+    if callable(target):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise DpexNotFoundError(f"unknown dataset target {target!r}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise DpexNotFoundError(
+                f"unknown dataset target {target!r}: {module_name} has no attribute {attr!r}") from None
+    return obj

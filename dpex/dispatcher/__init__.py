@@ -1,0 +1,1 @@
+"""The dispatcher: worker registry, jobs, plans and split assignment."""

@@ -1,0 +1,49 @@
+"""Runs the dispatcher service on a gRPC server."""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+
+from dpex.config import DispatcherConfig
+from dpex.dispatcher.service import DispatcherService
+from dpex.errors import DpexConfigError
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.rpc import SERVER_OPTIONS
+
+log = logging.getLogger("dpex.dispatcher")
+
+
+class DispatcherServer:
+    """A running dispatcher; ``address`` is where it listens."""
+
+    def __init__(self, config: DispatcherConfig) -> None:
+        self.config = config
+        self.service = DispatcherService(config)
+        # Heartbeats long-poll, so every worker can hold a thread.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=256,
+                                                              thread_name_prefix="dpex-rpc"),
+                                   options=SERVER_OPTIONS)
+        dgrpc.add_DispatcherServicer_to_server(self.service, self._server)
+        try:
+            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError as e:
+            raise DpexConfigError(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        if self.port == 0:
+            raise DpexConfigError(f"cannot listen on {config.host}:{config.port} (port in use?)")
+        self._server.start()
+        self._closed = False
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
+        self.address = f"{host}:{self.port}"
+        log.info("dispatcher listening on %s:%d", config.host, self.port)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def close(self, grace_s: float = 1.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.service.close()
+        self._server.stop(grace_s).wait()

@@ -1,0 +1,228 @@
+"""The Dispatcher gRPC service: validates requests, turns them into updates
+and applies them to the state under one lock. No data plane work here."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import threading
+import time
+
+import grpc
+
+from dpex.config import DispatcherConfig
+from dpex.dispatcher.state import DispatcherState, Plan
+from dpex.errors import DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.proto import journal_pb2 as jpb
+from dpex.rpc import servicer_method
+
+log = logging.getLogger("dpex.dispatcher")
+
+
+def job_fingerprint(job: dpb.JobDef) -> bytes:
+    h = hashlib.sha256()
+    for part in (job.dataset, job.collate, str(job.num_consumers).encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def plan_hash(batches) -> bytes:
+    h = hashlib.sha256()
+    for batch in batches:
+        h.update(batch.SerializeToString())
+        h.update(b"|")
+    return h.digest()
+
+
+class DispatcherService(dgrpc.DispatcherServicer):
+    def __init__(self, config: DispatcherConfig) -> None:
+        self._config = config
+        self._state = DispatcherState()
+        self._cond = threading.Condition()
+        self._last_seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="dpex-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._reaper.is_alive() and self._reaper is not threading.current_thread():
+            self._reaper.join()
+
+    def _apply(self, **kind) -> object:
+        """Applies one update; the caller holds self._cond."""
+        result = self._state.apply(jpb.Update(**kind))
+        self._cond.notify_all()
+        return result
+
+    def _reap(self) -> None:
+        period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._cond:
+                for worker in self._state.alive_workers():
+                    seen = self._last_seen.get(worker.worker_id, now)
+                    if now - seen > self._config.heartbeat_timeout_s:
+                        log.warning("worker %s at %s missed its heartbeat timeout (%.1fs); marking it lost",
+                                    worker.worker_id, worker.address, self._config.heartbeat_timeout_s)
+                        self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
+
+    # ---- workers ----------------------------------------------------------
+    @servicer_method
+    def RegisterWorker(self, request, context):
+        if not request.address or ":" not in request.address:
+            raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
+        worker_id = "w-" + secrets.token_hex(4)
+        with self._cond:
+            self._apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
+            self._last_seen[worker_id] = time.monotonic()
+        log.info("worker %s registered at %s", worker_id, request.address)
+        return dpb.RegisterWorkerResponse(worker_id=worker_id)
+
+    @servicer_method
+    def WorkerHeartbeat(self, request, context):
+        deadline = time.monotonic() + self._config.heartbeat_interval_s
+        with self._cond:
+            worker = self._state.workers.get(request.worker_id)
+            if worker is None or not worker.alive:
+                raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
+            self._last_seen[worker.worker_id] = time.monotonic()
+            response = dpb.WorkerHeartbeatResponse(
+                release_split_ids=self._state.releasable(worker.worker_id, list(request.held_split_ids)))
+            # Long-poll: wait for work so that a new plan starts within milliseconds.
+            while request.want_splits > 0 and not self._stop.is_set() and context.is_active():
+                assigned = self._apply(assign_splits=jpb.AssignSplits(
+                    worker_id=worker.worker_id, max_splits=request.want_splits))
+                if assigned or not worker.alive:
+                    for split_id in assigned:
+                        split = self._state.splits[split_id]
+                        response.splits.add(split_id=split_id, job_id=split.job_id,
+                                            consumer_index=split.consumer_index, epoch=split.epoch,
+                                            first_seq=split.first_seq, batches=split.batches)
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            self._last_seen[worker.worker_id] = time.monotonic()
+        return response
+
+    # ---- jobs and plans -----------------------------------------------------
+    @servicer_method
+    def GetOrCreateJob(self, request, context):
+        job = request.job
+        if job.num_consumers < 1:
+            raise DpexConfigError("num_consumers must be >= 1")
+        if not job.dataset:
+            raise DpexConfigError("the job has no dataset")
+        fingerprint = job_fingerprint(job)
+        with self._cond:
+            existing = self._state.find_job(job.name) if job.name else None
+            if existing is not None:
+                if existing.fingerprint != fingerprint:
+                    what = ("num_consumers" if existing.definition.num_consumers != job.num_consumers
+                            else "dataset or collate_fn")
+                    raise DpexConflictError(
+                        f"job {job.name!r} already exists with a different {what}; "
+                        "use another job_name or the same parameters")
+                return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
+            job_id = secrets.randbits(63)
+            self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job, fingerprint=fingerprint))
+        log.info("created job %d%s", job_id, f" ({job.name})" if job.name else "")
+        return dpb.GetOrCreateJobResponse(job_id=job_id, created=True)
+
+    def _job(self, job_id: int):
+        job = self._state.jobs.get(job_id)
+        if job is None:
+            raise DpexNotFoundError(f"unknown job {job_id}")
+        return job
+
+    @servicer_method
+    def GetJob(self, request, context):
+        with self._cond:
+            return dpb.GetJobResponse(job=self._job(request.job_id).definition)
+
+    @servicer_method
+    def SubmitPlan(self, request, context):
+        digest = plan_hash(request.batches)
+        with self._cond:
+            job = self._job(request.job_id)
+            if request.consumer_index >= job.definition.num_consumers:
+                raise DpexConfigError(f"consumer_index {request.consumer_index} is out of range for "
+                                      f"a job with {job.definition.num_consumers} consumers")
+            for other, other_plan in job.plans.items():
+                if (other != request.consumer_index and other_plan.epoch == request.epoch
+                        and other_plan.num_batches != len(request.batches)):
+                    raise DpexConfigError(
+                        f"consumer {request.consumer_index} planned {len(request.batches)} batches for "
+                        f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
+                        "every consumer must get the same number of batches (DDP ranks would hang)")
+            plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
+                job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
+                batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches))
+            return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
+
+    @servicer_method
+    def SyncConsumer(self, request, context):
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0)
+        with self._cond:
+            self._job(request.job_id)
+            plan = self._state.plan(request.job_id, request.consumer_index, request.epoch)
+            if plan is None:
+                raise DpexNotFoundError(
+                    f"job {request.job_id} has no plan for consumer {request.consumer_index} "
+                    f"epoch {request.epoch} (another trainer may have replaced it)")
+            if request.delivered_seqs:
+                self._apply(mark_delivered=jpb.MarkDelivered(
+                    job_id=request.job_id, consumer_index=request.consumer_index,
+                    epoch=request.epoch, seqs=request.delivered_seqs))
+            # Long-poll until the owners change, so the trainer learns of a
+            # new assignment at once without polling.
+            while True:
+                owners = self._state.owners(plan)
+                digest = hashlib.sha256(repr([(s.split_id, w.worker_id) for s, w in owners])
+                                        .encode()).digest()[:16]
+                remaining = deadline - time.monotonic()
+                if (digest != request.owners_digest or remaining <= 0 or self._stop.is_set()
+                        or not context.is_active()):
+                    break
+                self._cond.wait(remaining)
+            response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),
+                                                owners_digest=digest)
+            for split, worker in owners:
+                response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
+                                    num_batches=len(split.batches), worker_id=worker.worker_id,
+                                    worker_address=worker.address)
+            return response
+
+    @servicer_method
+    def ReleaseConsumer(self, request, context):
+        with self._cond:
+            if request.job_id in self._state.jobs:
+                self._apply(release_consumer=jpb.ReleaseConsumer(
+                    job_id=request.job_id, consumer_index=request.consumer_index))
+        return dpb.ReleaseConsumerResponse()
+
+    @servicer_method
+    def GetStatus(self, request, context):
+        now = time.monotonic()
+        response = dpb.GetStatusResponse()
+        with self._cond:
+            for w in self._state.workers.values():
+                response.workers.add(worker_id=w.worker_id, address=w.address,
+                                     state="alive" if w.alive else "lost", splits_held=len(w.held),
+                                     seconds_since_heartbeat=now - self._last_seen.get(w.worker_id, now))
+            for job in self._state.jobs.values():
+                live = [s for s in self._state.splits.values() if s.job_id == job.job_id]
+                response.jobs.add(job_id=job.job_id, name=job.definition.name,
+                                  num_consumers=job.definition.num_consumers,
+                                  batches_planned=job.batches_planned,
+                                  batches_delivered=job.batches_delivered,
+                                  splits_unassigned=sum(1 for s in live if s.worker_id is None),
+                                  splits_assigned=sum(1 for s in live if s.worker_id is not None))
+        return response

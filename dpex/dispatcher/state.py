@@ -1,0 +1,219 @@
+"""The dispatcher's state, as a pure state machine.
+
+Every change is one ``Update`` record (journal.proto) passed to
+:meth:`DispatcherState.apply`, which does no I/O, reads no clock and takes no
+lock. The service validates a request, builds the update and applies it under
+its own lock, so that replaying the same updates rebuilds the same state (ids
+the state allocates, like split ids, are deterministic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import journal_pb2 as jpb
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    address: str
+    alive: bool = True
+    held: set[int] = field(default_factory=set)  # assigned splits not yet delivered
+
+
+@dataclass
+class Split:
+    split_id: int
+    job_id: int
+    consumer_index: int
+    epoch: int
+    first_seq: int
+    batches: list[dpb.IndexBatch]
+    worker_id: str | None = None
+    delivered: set[int] = field(default_factory=set)  # seqs
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        # Lowest first: consumers of one job advance side by side (DDP ranks
+        # run in lockstep, so a worker must not fill up with one rank's splits).
+        return (self.epoch, self.first_seq, self.consumer_index)
+
+
+@dataclass
+class Plan:
+    epoch: int
+    plan_hash: bytes
+    split_size: int
+    num_batches: int
+    split_ids: list[int]
+    num_delivered: int = 0
+
+
+@dataclass
+class Job:
+    job_id: int
+    definition: dpb.JobDef
+    fingerprint: bytes
+    plans: dict[int, Plan] = field(default_factory=dict)  # consumer -> newest plan
+    batches_planned: int = 0
+    batches_delivered: int = 0
+
+
+class DispatcherState:
+    """All dispatcher state; mutate it only through :meth:`apply`."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.jobs: dict[int, Job] = {}
+        self.jobs_by_name: dict[str, int] = {}
+        self.splits: dict[int, Split] = {}          # live: not delivered, not cancelled
+        self.unassigned: dict[int, set[int]] = {}   # job id -> split ids
+        self.next_split_id = 1
+
+    # ---- the one entry point for changes ---------------------------------
+    def apply(self, update: jpb.Update) -> Any:
+        kind = update.WhichOneof("kind")
+        handler = getattr(self, f"_apply_{kind}", None)
+        if handler is None:
+            raise ValueError(f"unknown update kind {kind!r}")
+        return handler(getattr(update, kind))
+
+    def _apply_register_worker(self, u: jpb.RegisterWorker) -> None:
+        for old in list(self.workers.values()):
+            if old.address == u.address:  # a restart on the same address replaces it
+                self._lose(old)
+                del self.workers[old.worker_id]
+        self.workers[u.worker_id] = Worker(u.worker_id, u.address)
+
+    def _apply_worker_lost(self, u: jpb.WorkerLost) -> None:
+        worker = self.workers.get(u.worker_id)
+        if worker is not None:
+            self._lose(worker)
+
+    def _apply_create_job(self, u: jpb.CreateJob) -> None:
+        definition = dpb.JobDef()
+        definition.CopyFrom(u.job)
+        self.jobs[u.job_id] = Job(u.job_id, definition, u.fingerprint)
+        if u.job.name:
+            self.jobs_by_name[u.job.name] = u.job_id
+        self.unassigned[u.job_id] = set()
+
+    def _apply_submit_plan(self, u: jpb.SubmitPlan) -> Plan:
+        job = self.jobs[u.job_id]
+        old = job.plans.get(u.consumer_index)
+        if old is not None and old.epoch == u.epoch and old.plan_hash == u.plan_hash:
+            return old  # the same plan again: a reconnect, keep the progress
+        if old is not None:
+            self._cancel(old)
+        size = max(1, u.split_size)
+        plan = Plan(u.epoch, u.plan_hash, size, len(u.batches), [])
+        for first in range(0, len(u.batches), size):
+            split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, first,
+                          list(u.batches[first:first + size]))
+            self.next_split_id += 1
+            self.splits[split.split_id] = split
+            self.unassigned[u.job_id].add(split.split_id)
+            plan.split_ids.append(split.split_id)
+        job.plans[u.consumer_index] = plan
+        job.batches_planned += plan.num_batches
+        return plan
+
+    def _apply_assign_splits(self, u: jpb.AssignSplits) -> list[int]:
+        worker = self.workers.get(u.worker_id)
+        if worker is None or not worker.alive:
+            return []
+        assigned: list[int] = []
+        for _ in range(u.max_splits):
+            best: tuple | None = None
+            for job_id, pool in self.unassigned.items():
+                if not pool:
+                    continue
+                held_here = sum(1 for s in worker.held if self.splits[s].job_id == job_id)
+                split_id = min(pool, key=lambda s: self.splits[s].key)
+                rank = (held_here, *self.splits[split_id].key, job_id)
+                if best is None or rank < best[0]:
+                    best = (rank, job_id, split_id)
+            if best is None:
+                break
+            _, job_id, split_id = best
+            self.unassigned[job_id].discard(split_id)
+            self.splits[split_id].worker_id = worker.worker_id
+            worker.held.add(split_id)
+            assigned.append(split_id)
+        return assigned
+
+    def _apply_mark_delivered(self, u: jpb.MarkDelivered) -> int:
+        job = self.jobs[u.job_id]
+        plan = job.plans.get(u.consumer_index)
+        if plan is None or plan.epoch != u.epoch:
+            return 0
+        newly = 0
+        for seq in u.seqs:
+            if seq >= plan.num_batches:
+                continue
+            split = self.splits.get(plan.split_ids[seq // plan.split_size])
+            if split is None or seq in split.delivered:
+                continue
+            split.delivered.add(seq)
+            newly += 1
+            if len(split.delivered) == len(split.batches):
+                self._drop(split)
+        plan.num_delivered += newly
+        job.batches_delivered += newly
+        return newly
+
+    def _apply_release_consumer(self, u: jpb.ReleaseConsumer) -> None:
+        job = self.jobs.get(u.job_id)
+        plan = job.plans.pop(u.consumer_index, None) if job else None
+        if plan is not None:
+            self._cancel(plan)
+
+    # ---- helpers (called only from apply) ----------------------------------
+    def _lose(self, worker: Worker) -> None:
+        worker.alive = False
+        for split_id in worker.held:
+            split = self.splits[split_id]
+            split.worker_id = None
+            self.unassigned[split.job_id].add(split_id)
+        worker.held.clear()
+
+    def _drop(self, split: Split) -> None:
+        del self.splits[split.split_id]
+        self.unassigned[split.job_id].discard(split.split_id)
+        if split.worker_id is not None and split.worker_id in self.workers:
+            self.workers[split.worker_id].held.discard(split.split_id)
+
+    def _cancel(self, plan: Plan) -> None:
+        for split_id in plan.split_ids:
+            split = self.splits.get(split_id)
+            if split is not None:
+                self._drop(split)
+
+    # ---- queries (read only) --------------------------------------------------
+    def find_job(self, name: str) -> Job | None:
+        job_id = self.jobs_by_name.get(name)
+        return self.jobs.get(job_id) if job_id is not None else None
+
+    def plan(self, job_id: int, consumer_index: int, epoch: int) -> Plan | None:
+        job = self.jobs.get(job_id)
+        plan = job.plans.get(consumer_index) if job else None
+        return plan if plan is not None and plan.epoch == epoch else None
+
+    def owners(self, plan: Plan) -> list[tuple[Split, Worker]]:
+        """Assigned, undelivered splits of a plan with their workers."""
+        out = []
+        for split_id in plan.split_ids:
+            split = self.splits.get(split_id)
+            if split is not None and split.worker_id is not None:
+                out.append((split, self.workers[split.worker_id]))
+        return out
+
+    def releasable(self, worker_id: str, held: list[int]) -> list[int]:
+        """Of the splits a worker says it holds, those no longer assigned to it."""
+        return [s for s in held
+                if s not in self.splits or self.splits[s].worker_id != worker_id]
+
+    def alive_workers(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.alive]

@@ -1,0 +1,117 @@
+"""gRPC plumbing shared by daemons and clients: channel options, the one
+retry helper, and the one mapping between DpexError and gRPC status codes."""
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from dpex import errors
+
+log = logging.getLogger("dpex.rpc")
+
+MAX_MESSAGE_BYTES = 1 << 30  # one batch must fit in one message
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),  # dpex retries explicitly, see call()
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
+]
+
+_TO_STATUS: list[tuple[type[errors.DpexError], grpc.StatusCode]] = [
+    (errors.DpexConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.DpexNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.DpexConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.DpexTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.DpexConnectionError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DpexWireError, grpc.StatusCode.DATA_LOSS),
+]
+_FROM_STATUS = {code: cls for cls, code in _TO_STATUS}
+
+
+def status_of(exc: errors.DpexError) -> grpc.StatusCode:
+    for cls, code in _TO_STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
+    """Turns an RPC failure into the DpexError the peer raised (or meant)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.DpexConnectionError(f"cannot reach {target}: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DpexTimeoutError(f"{target} did not answer in time: {details}")
+    cls = _FROM_STATUS.get(code, errors.DpexError)
+    return cls(details)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def servicer_method(fn: F) -> F:
+    """Maps DpexError raised in a servicer method to its status code."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:  # (self,) request, context
+        context: grpc.ServicerContext = args[-1]
+        try:
+            return fn(*args)
+        except errors.DpexError as e:
+            context.abort(status_of(e), str(e))
+        except Exception as e:  # a bug: say so instead of a bare UNKNOWN
+            log.exception("unexpected error in %s", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+    return wrapper  # type: ignore[return-value]
+
+
+def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: float,
+         retry_for_s: float = 0.0, stop: Callable[[], bool] | None = None,
+         track: Callable[[grpc.Future], None] | None = None) -> Any:
+    """Calls a unary RPC; retries UNAVAILABLE with backoff for ``retry_for_s``.
+
+    Any other failure, or running out of retry time, raises the DpexError
+    that corresponds to the status. ``track`` receives the call's future, so
+    that another thread can cancel it (it then raises DpexCancelledError).
+    """
+    deadline = time.monotonic() + retry_for_s
+    delay = 0.05
+    while True:
+        future = method.future(request, timeout=timeout_s)
+        if track is not None:
+            track(future)
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.CANCELLED:
+                raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
+            if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline or (stop and stop()):
+                raise to_dpex_error(e, target) from None
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
+        delay = min(delay * 2, 1.0)
+
+
+def channel(address: str) -> grpc.Channel:
+    if not address or ":" not in address:
+        raise errors.DpexConfigError(f"bad address {address!r}: expected HOST:PORT")
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

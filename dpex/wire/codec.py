@@ -1,0 +1,228 @@
+"""The batch wire format: a msgpack header plus raw, 64-byte aligned buffers.
+
+Layout: ``b"DPX1" | u32 header length | header | pad | buffer | pad | buffer ...``.
+The header is one msgpack value, the structure of the batch. A node is either a
+plain msgpack scalar (None, bool, int in 64 bits, float, str, short bytes) or a
+list whose first item is a tag:
+
+  ["T", dtype, shape, offset, nbytes]   torch.Tensor
+  ["N", descr, shape, offset, nbytes]   numpy.ndarray
+  ["S", descr, raw]                     numpy scalar
+  ["B", offset, nbytes]                 long bytes
+  ["I", decimal]                        int beyond 64 bits
+  ["L", [node...]] / ["U", [node...]]   list / tuple
+  ["D", [[key, value]...]]              dict (any encodable keys, order kept)
+  ["P", "module:qualname", [fields], [node...]]   namedtuple
+
+Offsets count from the start of the data section. No pickle: decoding builds
+only these types. Tensors and arrays are views into the payload, not copies.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import struct
+import warnings
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from dpex.errors import DpexWireError
+
+MAGIC = b"DPX1"
+ALIGN = 64
+_PREFIX = struct.Struct("<4sI")
+_INLINE_BYTES = 1024
+_INT_MIN, _UINT_MAX = -(2 ** 63), 2 ** 64 - 1
+_PAD = bytes(ALIGN)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+        self.size = 0
+
+    def add(self, buf: memoryview) -> int:
+        offset = self.size
+        self.buffers.append(buf)
+        self.size = _aligned(offset + buf.nbytes)
+        return offset
+
+    def node(self, obj: Any) -> Any:
+        if obj is None or isinstance(obj, (bool, float, str)):
+            return obj
+        if isinstance(obj, int):
+            return obj if _INT_MIN <= obj <= _UINT_MAX else ["I", str(obj)]
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if isinstance(obj, np.ndarray):
+            return self.array(obj)
+        if isinstance(obj, np.generic):
+            if obj.dtype.hasobject:
+                raise DpexWireError(f"cannot encode numpy object scalar {obj!r}")
+            return ["S", np.lib.format.dtype_to_descr(obj.dtype), obj.tobytes()]
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            data = memoryview(obj).cast("B")
+            if data.nbytes <= _INLINE_BYTES:
+                return bytes(data)
+            return ["B", self.add(data), data.nbytes]
+        if isinstance(obj, dict):
+            return ["D", [[self.node(k), self.node(v)] for k, v in obj.items()]]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            cls = type(obj)
+            return ["P", f"{cls.__module__}:{cls.__qualname__}", list(obj._fields),
+                    [self.node(v) for v in obj]]
+        if isinstance(obj, tuple):
+            return ["U", [self.node(v) for v in obj]]
+        if isinstance(obj, list):
+            return ["L", [self.node(v) for v in obj]]
+        raise DpexWireError(
+            f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
+            "batches may hold tensors, numpy arrays, numbers, strings, bytes, None "
+            "and dicts/lists/tuples of them (use a collate_fn to convert other types)")
+
+    def tensor(self, t: torch.Tensor) -> list:
+        if t.layout != torch.strided or t.is_quantized or t.is_meta:
+            raise DpexWireError(f"cannot encode a {t.layout} / quantized / meta tensor")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.resolve_conj().resolve_neg().contiguous()
+        shape = list(t.shape)
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.numel() == 0:
+            return ["T", dtype, shape, 0, 0]
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        data = memoryview(raw).cast("B")
+        return ["T", dtype, shape, self.add(data), data.nbytes]
+
+    def array(self, a: np.ndarray) -> list:
+        if a.dtype.hasobject:
+            raise DpexWireError("cannot encode a numpy array of dtype object")
+        a = np.ascontiguousarray(a)
+        descr = np.lib.format.dtype_to_descr(a.dtype)
+        if a.nbytes == 0:
+            return ["N", descr, list(a.shape), 0, 0]
+        data = memoryview(a.reshape(-1).view(np.uint8)).cast("B")
+        return ["N", descr, list(a.shape), self.add(data), data.nbytes]
+
+
+def encode(obj: Any) -> bytes:
+    """Encodes a batch (nested containers of tensors, arrays and scalars)."""
+    return b"".join(encode_parts(obj))
+
+
+def encode_parts(obj: Any) -> list[Any]:
+    """The payload as a list of buffers, to be joined once by the caller."""
+    enc = _Encoder()
+    header = msgpack.packb(enc.node(obj), use_bin_type=True)
+    head_size = _PREFIX.size + len(header)
+    parts: list[Any] = [_PREFIX.pack(MAGIC, len(header)), header,
+                        _PAD[: _aligned(head_size) - head_size]]
+    for buf in enc.buffers:
+        parts.append(buf)
+        parts.append(_PAD[: _aligned(buf.nbytes) - buf.nbytes])
+    return parts
+
+
+class _Decoder:
+    def __init__(self, payload: Any, data_start: int) -> None:
+        self.payload = payload
+        self.data_start = data_start
+        self.size = memoryview(payload).nbytes
+
+    def raw(self, offset: int, nbytes: int) -> torch.Tensor:
+        start = self.data_start + offset
+        if offset < 0 or nbytes < 0 or start + nbytes > self.size:
+            raise DpexWireError("corrupt batch payload: a buffer lies outside the payload")
+        return torch.frombuffer(self.payload, dtype=torch.uint8, count=nbytes, offset=start)
+
+    def node(self, n: Any) -> Any:
+        if not isinstance(n, list):
+            return n
+        try:
+            tag = n[0]
+            if tag == "T":
+                _, dtype_name, shape, offset, nbytes = n
+                dtype = getattr(torch, dtype_name, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise DpexWireError(f"corrupt batch payload: unknown dtype {dtype_name!r}")
+                if nbytes == 0:
+                    return torch.empty(shape, dtype=dtype)
+                return self.raw(offset, nbytes).view(dtype).reshape(shape)
+            if tag == "N":
+                _, descr, shape, offset, nbytes = n
+                dtype = np.lib.format.descr_to_dtype(_descr(descr))
+                if nbytes == 0:
+                    return np.empty(shape, dtype=dtype)
+                return self.raw(offset, nbytes).numpy().view(dtype).reshape(shape)
+            if tag == "S":
+                return np.frombuffer(n[2], dtype=np.lib.format.descr_to_dtype(_descr(n[1])))[0]
+            if tag == "B":
+                return self.raw(n[1], n[2]).numpy().tobytes()
+            if tag == "I":
+                return int(n[1])
+            if tag == "L":
+                return [self.node(v) for v in n[1]]
+            if tag == "U":
+                return tuple(self.node(v) for v in n[1])
+            if tag == "D":
+                return {_hashable(self.node(k)): self.node(v) for k, v in n[1]}
+            if tag == "P":
+                return _namedtuple(n[1], n[2])(*(self.node(v) for v in n[3]))
+        except DpexWireError:
+            raise
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:
+            raise DpexWireError(f"corrupt batch payload: {type(e).__name__}: {e}") from e
+        raise DpexWireError(f"corrupt batch payload: unknown tag {tag!r}")
+
+
+def _descr(d: Any) -> Any:
+    # msgpack turns the tuples of a structured dtype's descr into lists.
+    if isinstance(d, list):
+        return [tuple(_descr(x) for x in field) for field in d]
+    return d
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
+
+
+def _namedtuple(path: str, fields: list[str]) -> type:
+    module, _, qualname = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, type) and issubclass(obj, tuple) and list(obj._fields) == fields:
+            return obj
+    except Exception:  # not importable here: rebuild an equivalent type
+        pass
+    return collections.namedtuple(qualname.rpartition(".")[2] or "Record", fields)
+
+
+def decode(payload: bytes | bytearray | memoryview) -> Any:
+    """Decodes a payload made by :func:`encode`; tensors share its memory."""
+    view = memoryview(payload)
+    if view.nbytes < _PREFIX.size:
+        raise DpexWireError("corrupt batch payload: too short")
+    magic, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise DpexWireError("corrupt batch payload: bad magic (not a Dpex batch)")
+    end = _PREFIX.size + header_len
+    if end > view.nbytes:
+        raise DpexWireError("corrupt batch payload: truncated header")
+    try:
+        root = msgpack.unpackb(view[_PREFIX.size:end], raw=False, strict_map_key=False)
+    except Exception as e:
+        raise DpexWireError(f"corrupt batch payload: bad header: {e}") from e
+    with warnings.catch_warnings():
+        # The payload is ours alone; torch only warns that bytes are immutable.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return _Decoder(payload, _aligned(end)).node(root)

@@ -1,0 +1,80 @@
+"""Batch frames: a serialized ``dpex.v1.Batch`` message built around an
+already-encoded payload, and parsed without copying the payload.
+
+Worker processes build the whole frame, so the worker daemon forwards bytes
+and the trainer slices the payload out of the received message.
+"""
+from __future__ import annotations
+
+from dpex.errors import DpexWireError
+from dpex.proto import worker_pb2 as wpb
+
+_PAYLOAD_TAG = b"\x0a"  # field 1, wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise DpexWireError("corrupt batch frame: bad varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def frame_parts(meta: wpb.Batch, payload_parts: list) -> list:
+    """The pieces whose concatenation is ``meta`` with ``payload`` set."""
+    size = sum(memoryview(p).nbytes for p in payload_parts)
+    return [meta.SerializeToString(), _PAYLOAD_TAG, _varint(size), *payload_parts]
+
+
+def build_frame(meta: wpb.Batch, payload: bytes = b"") -> bytes:
+    return b"".join(frame_parts(meta, [payload]) if payload else [meta.SerializeToString()])
+
+
+def parse_frame(frame: bytes) -> tuple[wpb.Batch, memoryview]:
+    """Splits a frame into its metadata and a zero-copy view of the payload."""
+    view = memoryview(frame)
+    pos, meta_parts, payload = 0, [], view[0:0]
+    while pos < len(view):
+        start = pos
+        key, pos = _read_varint(view, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise DpexWireError("corrupt batch frame: truncated field")
+            if field == 1:
+                payload = view[pos:pos + length]
+                pos += length
+                continue
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise DpexWireError(f"corrupt batch frame: wire type {wire_type}")
+        meta_parts.append(view[start:pos])
+    try:
+        meta = wpb.Batch.FromString(b"".join(meta_parts))
+    except Exception as e:
+        raise DpexWireError(f"corrupt batch frame: {e}") from e
+    return meta, payload

@@ -1,0 +1,1 @@
+"""The worker daemon: builds datasets locally and serves finished batches."""

@@ -1,0 +1,99 @@
+"""The worker's side of the control plane: register, heartbeat, take splits."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from dpex.config import WorkerConfig
+from dpex.errors import DpexConnectionError, DpexError, DpexNotFoundError
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.rpc import call, channel
+from dpex.worker.scheduler import Scheduler
+
+log = logging.getLogger("dpex.worker")
+
+
+class DispatcherAgent:
+    def __init__(self, config: WorkerConfig, address: str, scheduler: Scheduler, job_dir: str) -> None:
+        self._config = config
+        self._address = address
+        self._scheduler = scheduler
+        self._job_dir = job_dir
+        self._channel = channel(config.dispatcher)
+        self._stub = dgrpc.DispatcherStub(self._channel)
+        self._stop = threading.Event()
+        self.worker_id = ""
+        self.registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpex-agent")
+
+    def start(self) -> None:
+        self._register()  # fail fast at start: a wrong --dispatcher is an error, not a hang
+        self._thread.start()
+
+    def job_path(self, job_id: int) -> str:
+        return os.path.join(self._job_dir, f"job-{job_id}.pb")
+
+    def _rpc(self, method, request, timeout_s: float):
+        return call(method, request, target=f"dispatcher {self._config.dispatcher}",
+                    timeout_s=timeout_s, retry_for_s=self._config.connect_timeout_s,
+                    stop=self._stop.is_set)
+
+    def _register(self) -> None:
+        response = self._rpc(self._stub.RegisterWorker,
+                             dpb.RegisterWorkerRequest(address=self._address), timeout_s=10)
+        self.worker_id = response.worker_id
+        self.registered.set()
+        log.info("registered with dispatcher %s as %s (serving on %s)",
+                 self._config.dispatcher, self.worker_id, self._address)
+
+    def ensure_job(self, job_id: int) -> None:
+        path = self.job_path(job_id)
+        if os.path.exists(path):
+            return
+        job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id), timeout_s=30).job
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(job.SerializeToString())
+        os.replace(tmp, path)
+
+    def _run(self) -> None:
+        interval = self._config.heartbeat_interval_s
+        while not self._stop.is_set():
+            want = self._scheduler.free_capacity(self._config.max_held_splits)
+            request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
+                                                 held_split_ids=self._scheduler.held_split_ids())
+            try:
+                response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10)
+                self._scheduler.release(response.release_split_ids)
+                for split in response.splits:
+                    self.ensure_job(split.job_id)
+                    self._scheduler.add_split(split)
+            except DpexNotFoundError:
+                if self._stop.is_set():
+                    return
+                log.warning("the dispatcher no longer knows worker %s; registering again", self.worker_id)
+                self._scheduler.release_all()
+                try:
+                    self._register()
+                except DpexError as e:
+                    log.error("registration failed: %s", e)
+                    self._stop.wait(interval)
+                continue
+            except DpexConnectionError as e:
+                log.warning("%s; still retrying", e)
+                continue
+            except DpexError as e:
+                log.error("heartbeat failed: %s", e)
+                self._stop.wait(interval)
+                continue
+            if want == 0 or not response.splits:
+                # The dispatcher long-polls when we want work; otherwise pace ourselves.
+                self._stop.wait(interval if want == 0 else 0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._channel.close()

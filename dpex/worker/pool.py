@@ -1,0 +1,169 @@
+"""The worker's process pool: dataset[i] -> collate -> encode -> frame.
+
+Each child builds the job's dataset once from the job file, and returns a
+complete ``Batch`` frame (payload or error), so the daemon only forwards
+bytes. Spawned, not forked: the daemon runs gRPC threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import traceback
+from collections import OrderedDict
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, NamedTuple
+
+log = logging.getLogger("dpex.worker")
+
+_MAX_CACHED_JOBS = 8
+
+
+class Task(NamedTuple):
+    job_id: int
+    job_path: str
+    consumer_index: int
+    epoch: int
+    seq: int
+    indices: list[int]
+
+
+# ---- child side ------------------------------------------------------------
+_worker_address = ""
+_jobs: OrderedDict[int, tuple[Any, Callable[[list], Any]]] = OrderedDict()
+
+
+def _set_parent_death_signal() -> None:
+    try:  # Linux: die with the daemon even if it is SIGKILLed
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_child(worker_address: str) -> None:
+    global _worker_address
+    _worker_address = worker_address
+    _set_parent_death_signal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
+    import torch
+    torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
+
+
+def _load_job(job_id: int, job_path: str) -> tuple[Any, Callable[[list], Any]]:
+    if job_id in _jobs:
+        _jobs.move_to_end(job_id)
+        return _jobs[job_id]
+    import cloudpickle
+    from torch.utils.data import default_collate
+
+    from dpex.proto import dispatcher_pb2 as dpb
+    with open(job_path, "rb") as f:
+        job = dpb.JobDef.FromString(f.read())
+    spec = cloudpickle.loads(job.dataset)
+    dataset = spec.build()
+    collate = cloudpickle.loads(job.collate) if job.collate else default_collate
+    _jobs[job_id] = (dataset, collate)
+    while len(_jobs) > _MAX_CACHED_JOBS:
+        _jobs.popitem(last=False)
+    return dataset, collate
+
+
+def produce(task: Task) -> bytes:
+    """Runs in a child: returns a whole Batch frame, with a payload or an error."""
+    from dpex.proto import worker_pb2 as wpb
+    from dpex.wire import encode_parts, frame_parts
+    meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
+                     epoch=task.epoch, seq=task.seq)
+    index = -1
+    try:
+        dataset, collate = _load_job(task.job_id, task.job_path)
+        samples = []
+        for index in task.indices:
+            samples.append(dataset[index])
+        index = -1
+        parts = encode_parts(collate(samples))
+    except Exception as e:
+        meta.error.CopyFrom(_remote_error(e, index))
+        return meta.SerializeToString()
+    return b"".join(frame_parts(meta, parts))
+
+
+def _remote_error(e: BaseException, index: int):
+    from dpex.proto import worker_pb2 as wpb
+    return wpb.RemoteError(
+        type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
+        message=str(e), traceback=traceback.format_exc(), sample_index=index,
+        worker=_worker_address)
+
+
+def inspect(job_id: int, job_path: str) -> bytes:
+    """Runs in a child: builds the dataset and reports its length."""
+    from dpex.proto import worker_pb2 as wpb
+    try:
+        dataset, _ = _load_job(job_id, job_path)
+        length = len(dataset) if hasattr(dataset, "__len__") else -1
+        return wpb.InspectResponse(length=length).SerializeToString()
+    except Exception as e:
+        return wpb.InspectResponse(length=-1, error=_remote_error(e, -1)).SerializeToString()
+
+
+def _warm_up() -> int:
+    return os.getpid()
+
+
+# ---- daemon side ------------------------------------------------------------
+class BatchPool:
+    """A pool of N processes; a crashed child fails its batch, not the daemon."""
+
+    def __init__(self, processes: int, worker_address: str) -> None:
+        self._processes = processes
+        self._address = worker_address
+        self._lock = threading.Lock()
+        self._closed = False
+        self._executor = self._start()
+
+    def _start(self) -> ProcessPoolExecutor:
+        executor = ProcessPoolExecutor(max_workers=self._processes,
+                                       mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_init_child, initargs=(self._address,))
+        # Start every child now, not at the first batch.
+        for f in [executor.submit(_warm_up) for _ in range(self._processes)]:
+            f.result()
+        return executor
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("pool is closed")
+            try:
+                return self._executor.submit(fn, *args)
+            except BrokenProcessPool:
+                log.error("a batch process died; restarting the pool")
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = self._start()
+                return self._executor.submit(fn, *args)
+
+    def pids(self) -> list[int]:
+        return list(getattr(self._executor, "_processes", {}) or {})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def crash_frame(task: Task, exc: BaseException, worker_address: str) -> bytes:
+    """The frame for a batch whose process died (e.g. a segfault or OOM kill)."""
+    from dpex.proto import worker_pb2 as wpb
+    meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
+                     epoch=task.epoch, seq=task.seq)
+    meta.error.CopyFrom(wpb.RemoteError(
+        type=type(exc).__name__, message=f"the batch process died while producing this batch: {exc}",
+        traceback="", sample_index=-1, worker=worker_address))
+    return meta.SerializeToString()

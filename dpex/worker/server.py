@@ -1,0 +1,88 @@
+"""Runs a worker: gRPC server, process pool, scheduler and dispatcher agent."""
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+from concurrent import futures
+
+import grpc
+
+from dpex.config import WorkerConfig
+from dpex.errors import DpexConfigError
+from dpex.rpc import SERVER_OPTIONS
+from dpex.worker.agent import DispatcherAgent
+from dpex.worker.pool import BatchPool, inspect
+from dpex.worker.scheduler import Scheduler
+from dpex.worker.service import WorkerService
+
+log = logging.getLogger("dpex.worker")
+
+
+def advertised_host(config: WorkerConfig) -> str:
+    """The address trainers should use: the interface that reaches the dispatcher."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host not in ("0.0.0.0", "::", "[::]", ""):
+        return config.host
+    host = config.dispatcher.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks a route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self._closed = False
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
+                                                              thread_name_prefix="dpex-rpc"),
+                                   options=SERVER_OPTIONS)
+        try:
+            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError as e:
+            raise DpexConfigError(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        self.address = f"{advertised_host(config)}:{port}"
+        self._job_dir = tempfile.TemporaryDirectory(prefix="dpex-worker-")
+        self.pool = BatchPool(config.processes, self.address)
+        self.agent: DispatcherAgent | None = None
+        try:
+            self.scheduler = Scheduler(self.pool, self._job_path,
+                                       buffer_batches=config.buffer_batches,
+                                       max_inflight=2 * config.processes,
+                                       worker_address=self.address)
+            self._server.add_generic_rpc_handlers((WorkerService(self.scheduler, self._inspect).handler(),))
+            self._server.start()
+            self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir.name)
+            self.agent.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("worker serving on %s with %d processes", self.address, config.processes)
+
+    def _job_path(self, job_id: int) -> str:
+        assert self.agent is not None
+        return self.agent.job_path(job_id)
+
+    def _inspect(self, job_id: int) -> bytes:
+        assert self.agent is not None
+        self.agent.ensure_job(job_id)
+        return self.pool.submit(inspect, job_id, self._job_path(job_id)).result()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def close(self, grace_s: float = 1.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.agent is not None:
+            self.agent.close()
+        self._server.stop(grace_s).wait()
+        if hasattr(self, "scheduler"):
+            self.scheduler.close()
+        self.pool.close()
+        self._job_dir.cleanup()
