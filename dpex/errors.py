@@ -39,24 +39,39 @@ class DpexWorkerError(DpexError):
     """User code (dataset, collate) raised on a worker.
 
     Carries the remote exception's type name and message, the remote
-    traceback, the worker's address and the sample index (-1 when the error
-    was not tied to one sample, e.g. in collate).
+    traceback, the worker's address, the sample index (-1 when the error was
+    not tied to one sample) and the stage: "build" (constructing the
+    dataset), "getitem", "collate", "encode", or "process" (the worker
+    process died).
     """
 
-    def __init__(self, exc_type: str, message: str, traceback: str,
-                 worker: str, sample_index: int, batch: str = "") -> None:
+    _WHERE = {"build": "while building the dataset", "collate": "in collate_fn",
+              "encode": "while encoding the batch (an unsupported type?)",
+              "process": "in a worker process that died"}
+
+    def __init__(self, exc_type: str, message: str, traceback: str, worker: str,
+                 sample_index: int, stage: str = "getitem", batch: str = "") -> None:
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = traceback
         self.worker = worker
         self.sample_index = sample_index
+        self.stage = stage
         self.batch = batch
-        where = f"dataset[{sample_index}]" if sample_index >= 0 else "collate"
-        text = (f"{exc_type}: {message} (raised in {where} on worker {worker}"
-                f"{', batch ' + batch if batch else ''})\n"
-                f"Remote traceback:\n{traceback.rstrip()}")
+        where = (f"in dataset[{sample_index}]" if stage == "getitem"
+                 else self._WHERE.get(stage, f"in {stage}"))
+        text = (f"{exc_type}: {message} (raised {where} on worker {worker}"
+                f"{', batch ' + batch if batch else ''})")
+        if traceback:
+            text += f"\nRemote traceback:\n{traceback.rstrip()}"
         super().__init__(text)
+
+    @classmethod
+    def from_remote(cls, error, batch: str = "") -> "DpexWorkerError":
+        """From a dpex.v1.RemoteError message."""
+        return cls(error.type, error.message, error.traceback, error.worker,
+                   error.sample_index, error.stage or "getitem", batch)
 
     def __reduce__(self):  # keep the attributes through pickling
         return (type(self), (self.exc_type, self.remote_message, self.remote_traceback,
-                             self.worker, self.sample_index, self.batch))
+                             self.worker, self.sample_index, self.stage, self.batch))

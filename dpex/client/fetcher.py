@@ -186,9 +186,7 @@ class EpochFetcher:
         self._next = meta.seq + 1 if self._ordered else self._next
         if meta.HasField("error"):
             self.close()
-            e = meta.error
-            raise DpexWorkerError(e.type, e.message, e.traceback, e.worker, e.sample_index,
-                                  batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
+            raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
         batch = decode(payload)
         return self._transform(batch) if self._transform is not None else batch
 

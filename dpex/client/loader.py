@@ -227,9 +227,7 @@ class RemoteDataLoader:
                     log.warning("%s; trying another worker", e)
                     continue
                 if response.HasField("error"):
-                    e = response.error
-                    raise DpexWorkerError(e.type, e.message, e.traceback, e.worker, e.sample_index,
-                                          batch="(building the dataset)")
+                    raise DpexWorkerError.from_remote(response.error)
                 if response.length < 0:
                     raise DpexConfigError("the dataset has no __len__; RemoteDataLoader needs a map-style dataset")
                 return response.length

@@ -20,8 +20,8 @@ only these types. Tensors and arrays are views into the payload, not copies.
 from __future__ import annotations
 
 import collections
-import importlib
 import struct
+import sys
 import warnings
 from typing import Any
 
@@ -93,7 +93,10 @@ class _Encoder:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.resolve_conj().resolve_neg().contiguous()
+        try:
+            t = t.resolve_conj().resolve_neg().contiguous()
+        except (NotImplementedError, RuntimeError) as e:
+            raise DpexWireError(f"cannot encode a non-contiguous {t.dtype} tensor: {e}") from e
         shape = list(t.shape)
         dtype = str(t.dtype).removeprefix("torch.")
         if t.numel() == 0:
@@ -105,12 +108,13 @@ class _Encoder:
     def array(self, a: np.ndarray) -> list:
         if a.dtype.hasobject:
             raise DpexWireError("cannot encode a numpy array of dtype object")
+        shape = list(a.shape)  # ascontiguousarray turns 0-d into 1-d
         a = np.ascontiguousarray(a)
         descr = np.lib.format.dtype_to_descr(a.dtype)
         if a.nbytes == 0:
-            return ["N", descr, list(a.shape), 0, 0]
+            return ["N", descr, shape, 0, 0]
         data = memoryview(a.reshape(-1).view(np.uint8)).cast("B")
-        return ["N", descr, list(a.shape), self.add(data), data.nbytes]
+        return ["N", descr, shape, self.add(data), data.nbytes]
 
 
 def encode(obj: Any) -> bytes:
@@ -197,12 +201,13 @@ def _hashable(k: Any) -> Any:
 def _namedtuple(path: str, fields: list[str]) -> type:
     module, _, qualname = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module)
+        # Only a module the trainer already imported: a payload never triggers imports.
+        obj: Any = sys.modules[module]
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if isinstance(obj, type) and issubclass(obj, tuple) and list(obj._fields) == fields:
             return obj
-    except Exception:  # not importable here: rebuild an equivalent type
+    except Exception:  # not known here: rebuild an equivalent type
         pass
     return collections.namedtuple(qualname.rpartition(".")[2] or "Record", fields)
 

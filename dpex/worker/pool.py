@@ -78,26 +78,28 @@ def produce(task: Task) -> bytes:
     from dpex.wire import encode_parts, frame_parts
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
-    index = -1
+    stage, index = "build", -1
     try:
         dataset, collate = _load_job(task.job_id, task.job_path)
-        samples = []
+        stage, samples = "getitem", []
         for index in task.indices:
             samples.append(dataset[index])
-        index = -1
-        parts = encode_parts(collate(samples))
+        stage, index = "collate", -1
+        batch = collate(samples)
+        stage = "encode"
+        parts = encode_parts(batch)
     except Exception as e:
-        meta.error.CopyFrom(_remote_error(e, index))
+        meta.error.CopyFrom(_remote_error(e, stage, index))
         return meta.SerializeToString()
     return b"".join(frame_parts(meta, parts))
 
 
-def _remote_error(e: BaseException, index: int):
+def _remote_error(e: BaseException, stage: str, index: int = -1):
     from dpex.proto import worker_pb2 as wpb
     return wpb.RemoteError(
         type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
         message=str(e), traceback=traceback.format_exc(), sample_index=index,
-        worker=_worker_address)
+        worker=_worker_address, stage=stage)
 
 
 def inspect(job_id: int, job_path: str) -> bytes:
@@ -108,7 +110,7 @@ def inspect(job_id: int, job_path: str) -> bytes:
         length = len(dataset) if hasattr(dataset, "__len__") else -1
         return wpb.InspectResponse(length=length).SerializeToString()
     except Exception as e:
-        return wpb.InspectResponse(length=-1, error=_remote_error(e, -1)).SerializeToString()
+        return wpb.InspectResponse(length=-1, error=_remote_error(e, "build")).SerializeToString()
 
 
 def _warm_up() -> int:
@@ -165,5 +167,5 @@ def crash_frame(task: Task, exc: BaseException, worker_address: str) -> bytes:
                      epoch=task.epoch, seq=task.seq)
     meta.error.CopyFrom(wpb.RemoteError(
         type=type(exc).__name__, message=f"the batch process died while producing this batch: {exc}",
-        traceback="", sample_index=-1, worker=worker_address))
+        traceback="", sample_index=-1, worker=worker_address, stage="process"))
     return meta.SerializeToString()

@@ -1,0 +1,64 @@
+"""A test cluster with short heartbeats, and condition waits (never sleeps)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from dpex.cluster import LocalCluster
+
+
+def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> LocalCluster:
+    """A LocalCluster that notices a lost worker within about a second."""
+    kwargs.setdefault("heartbeat_interval_s", 0.2)
+    kwargs.setdefault("heartbeat_timeout_s", 1.5)
+    kwargs.setdefault("split_size_batches", 2)
+    return LocalCluster(num_workers=num_workers, processes=processes, **kwargs)
+
+
+test_cluster.__test__ = False  # not a pytest test, despite the name
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
+    """Polls ``condition`` until it is truthy; raises TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant processes of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    """The pids that still run (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive

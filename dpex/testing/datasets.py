@@ -1,0 +1,68 @@
+"""Small datasets that worker processes can import by name."""
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class Squares(Dataset):
+    """Sample i is {"x": a small tensor derived from i, "y": i}."""
+
+    def __init__(self, n: int = 100, dim: int = 3) -> None:
+        self.n, self.dim = n, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.arange(self.dim, dtype=torch.float32) + i * i, "y": i}
+
+
+class Faulty(Squares):
+    """Raises ZeroDivisionError at index ``bad`` (the original project's BugDataset)."""
+
+    def __init__(self, n: int = 100, bad: int = 13) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.bad:
+            return 1 / 0  # type: ignore[return-value]
+        return super().__getitem__(i)
+
+
+class BrokenInit(Dataset):
+    def __init__(self, path: str = "/nonexistent") -> None:
+        raise FileNotFoundError(f"no data at {path}")
+
+
+class Where(Dataset):
+    """Records where each sample was read: the host and the process."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"i": i, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+class Mixed(Dataset):
+    """Samples with numpy arrays, strings and nested tuples."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple:
+        return (np.full((2, 2), i, dtype=np.int16), f"s{i}", (torch.tensor(i, dtype=torch.bfloat16), i / 2))
+
+
+class Unencodable(Squares):
+    def __getitem__(self, i: int) -> object:
+        return object()
