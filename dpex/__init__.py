@@ -1,12 +1,42 @@
-"""Dpex: distributed data preprocessing for PyTorch. The public API."""
-from dpex.client.loader import RemoteDataLoader
-from dpex.cluster import LocalCluster
-from dpex.dataset import DatasetSpec
-from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConflictError, DpexConnectionError,
-                         DpexError, DpexNotFoundError, DpexTimeoutError, DpexWireError, DpexWorkerError)
+"""Dpex: distributed data preprocessing for PyTorch. The public API.
 
-__all__ = [
-    "DatasetSpec", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
-    "DpexError", "DpexNotFoundError", "DpexTimeoutError", "DpexWireError", "DpexWorkerError",
-    "LocalCluster", "RemoteDataLoader",
-]
+Names are imported on first use, so that the command-line tools (which
+import this package) start without loading torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "RemoteDataLoader": "dpex.client.loader",
+    "LocalCluster": "dpex.cluster",
+    "DatasetSpec": "dpex.dataset",
+    **{name: "dpex.errors" for name in (
+        "DpexError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
+        "DpexNotFoundError", "DpexTimeoutError", "DpexWireError", "DpexWorkerError")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dpex' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from dpex.client.loader import RemoteDataLoader
+    from dpex.cluster import LocalCluster
+    from dpex.dataset import DatasetSpec
+    from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConflictError,
+                             DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,
+                             DpexWireError, DpexWorkerError)

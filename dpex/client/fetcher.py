@@ -48,7 +48,9 @@ class Control:
         self._acks: list[int] = []
         self._future: grpc.Future | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dpex-control")
+        # daemon=True only so that interpreter exit is not blocked before the
+        # loader's finalizer runs; that finalizer (close()) is the stop path.
+        self._thread = threading.Thread(target=self._run, name="dpex-control", daemon=True)
         self._thread.start()
 
     def ack(self, seq: int) -> None:

@@ -35,7 +35,9 @@ class _Stream:
             "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
             response_deserializer=None)  # frames stay bytes: parsed without copies later
         self._call = fetch(iter(self._requests.get, None))
-        self._thread = threading.Thread(target=self._receive, name=f"dpex-recv-{address}")
+        # daemon=True only so that interpreter exit reaches the loader's
+        # finalizer, which closes the stream (the real stop path).
+        self._thread = threading.Thread(target=self._receive, name=f"dpex-recv-{address}", daemon=True)
         self._thread.start()
 
     def send(self, request: wpb.FetchRequest) -> None:

@@ -1,0 +1,92 @@
+"""The command-line tools, run as a user runs them."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import dpex
+from dpex.testing import test_cluster, wait_until
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run(*args, env=None, timeout=60):
+    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("cmd,words", [
+    (["dpex-dispatcher"], ["--port", "DPEX_PORT", "--heartbeat-timeout", "DPEX_WORK_DIR"]),
+    (["dpex-worker"], ["--dispatcher", "DPEX_DISPATCHER", "--processes", "DPEX_PROCESSES", "Example"]),
+    (["dpex", "status"], ["--dispatcher", "DPEX_DISPATCHER"]),
+])
+def test_help(cmd, words):
+    out = run(*cmd, "--help")
+    assert out.returncode == 0
+    for word in words:
+        assert word in out.stdout
+
+
+def test_status_shows_workers_and_delivered_batches(cluster):
+    with dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=12),
+                               batch_size=4, job_name="status-demo", timeout=30) as dl:
+        assert len(list(dl)) == 3
+    out = run("dpex", "status", "--dispatcher", cluster.address)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "WORKERS (2 alive)"
+    for address in cluster.worker_addresses:
+        assert any(address in line and "alive" in line for line in lines)
+    job = next(line.split() for line in lines if "status-demo" in line)
+    assert job[2:5] == ["1", "3", "3"]  # consumers, planned, delivered
+    # The flag also comes from the environment.
+    from_env = run("dpex", "status", env={"DPEX_DISPATCHER": cluster.address}).stdout.splitlines()
+    jobs_table = lambda ls: ls[next(i for i, l in enumerate(ls) if l.startswith("JOBS")):]
+    assert from_env[0] == lines[0] and jobs_table(from_env) == jobs_table(lines)
+
+
+def test_status_of_an_unreachable_dispatcher():
+    out = run("dpex", "status", "--dispatcher", "127.0.0.1:1", "--timeout", "0.5")
+    assert out.returncode == 1 and "cannot reach dispatcher 127.0.0.1:1" in out.stderr
+
+
+def test_worker_with_a_wrong_dispatcher_exits_with_a_clear_error():
+    out = run("dpex-worker", "--dispatcher", "127.0.0.1:1", "--connect-timeout", "0.5", "--processes", "1")
+    assert out.returncode == 1 and "cannot reach dispatcher 127.0.0.1:1" in out.stderr
+    out = run("dpex-worker", env={"DPEX_DISPATCHER": "no-port"})
+    assert out.returncode == 1 and "HOST:PORT" in out.stderr
+
+
+def test_bad_flag_values_are_reported():
+    out = run("dpex-dispatcher", "--heartbeat-timeout", "0.1", "--heartbeat-interval", "1")
+    assert out.returncode == 1 and "heartbeat_timeout_s must exceed heartbeat_interval_s" in out.stderr
+    out = run("dpex-dispatcher", "--port", "http")
+    assert out.returncode == 2 and "is not a valid integer" in out.stderr
+
+
+def test_dispatcher_reads_its_port_from_the_environment(tmp_path):
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([os.path.join(BIN, "dpex-dispatcher"), "--ready-file", str(ready)],
+                            env={**os.environ, "DPEX_PORT": "0", "DPEX_HOST": "127.0.0.1"},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(ready.exists, 30, "the dispatcher to serve")
+        address = ready.read_text()
+        assert address.startswith("127.0.0.1:") and address != "127.0.0.1:0"
+        assert run("dpex", "status", "--dispatcher", address).stdout.startswith("WORKERS (0 alive)")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert "shutting down" in proc.stderr.read()
+
+
+def test_a_killed_worker_is_shown_as_lost():
+    with test_cluster(num_workers=2) as c:
+        victim = c.kill_worker(0)
+
+        def lost():
+            out = run("dpex", "status", "--dispatcher", c.address).stdout
+            return next((l for l in out.splitlines() if victim.address in l and " lost " in l), None)
+        wait_until(lost, 30, "the worker to be marked lost")

@@ -1,0 +1,141 @@
+"""Errors explain themselves: user-code exceptions, bad specs, bad arguments,
+unreachable peers. Never a hang: every loader here has a timeout, so a hang
+would fail as DpexTimeoutError instead of the expected error."""
+import pytest
+import torch
+from torch.utils.data import SequentialSampler
+
+import dpex
+from dpex.testing.datasets import Squares
+
+
+def spec(name, **kwargs):
+    return dpex.DatasetSpec(f"dpex.testing.datasets:{name}", **kwargs)
+
+
+def test_exception_in_getitem_reaches_the_trainer(cluster):
+    with dpex.RemoteDataLoader(cluster.address, spec("Faulty", n=40, bad=13), batch_size=4,
+                               timeout=30) as dl:
+        got = []
+        with pytest.raises(dpex.DpexWorkerError) as info:
+            for batch in dl:
+                got.append(batch["y"].tolist())
+    e = info.value
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # in order, up to the bad batch
+    assert e.exc_type == "ZeroDivisionError" and e.remote_message == "division by zero"
+    assert e.sample_index == 13 and e.stage == "getitem"
+    assert e.worker in cluster.worker_addresses
+    assert "__getitem__" in e.remote_traceback and "1 / 0" in e.remote_traceback
+    assert "dataset[13]" in str(e) and e.worker in str(e)
+
+
+def test_exception_in_collate(cluster):
+    def collate(samples):
+        raise KeyError("no such field")
+    with dpex.RemoteDataLoader(cluster.address, spec("Squares", n=8), batch_size=4, collate_fn=collate,
+                               timeout=30) as dl:
+        with pytest.raises(dpex.DpexWorkerError, match="in collate_fn") as info:
+            list(dl)
+    assert info.value.exc_type == "KeyError" and info.value.sample_index == -1
+
+
+def test_unencodable_batch(cluster):
+    with dpex.RemoteDataLoader(cluster.address, spec("Squares", n=8), batch_size=4,
+                               collate_fn=lambda s: {"bad": {1, 2}}, timeout=30) as dl:
+        with pytest.raises(dpex.DpexWorkerError, match="cannot encode a value of type builtins.set") as info:
+            list(dl)
+    assert info.value.stage == "encode"
+
+
+@pytest.mark.parametrize("target,message", [
+    ("no_such_module:Data", "unknown dataset target 'no_such_module:Data'"),
+    ("dpex.testing.datasets:Nope", "has no attribute 'Nope'"),
+])
+def test_unknown_dataset_target(cluster, target, message):
+    with pytest.raises(dpex.DpexWorkerError, match=message) as info:
+        dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec(target), batch_size=4, timeout=30)
+    assert info.value.stage == "build" and "while building the dataset" in str(info.value)
+
+
+def test_dataset_that_fails_to_build(cluster):
+    with pytest.raises(dpex.DpexWorkerError, match="no data at /data/x") as info:
+        dpex.RemoteDataLoader(cluster.address, spec("BrokenInit", path="/data/x"), timeout=30)
+    assert info.value.exc_type == "FileNotFoundError"
+
+
+def test_unreachable_dispatcher():
+    with pytest.raises(dpex.DpexConnectionError, match="cannot reach dispatcher 127.0.0.1:1"):
+        dpex.RemoteDataLoader("127.0.0.1:1", spec("Squares"), connect_timeout=0.5)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(address="no-port"), "expected HOST:PORT"),
+    (dict(num_consumers=2, consumer_index=2), "consumer_index must be in 0..1"),
+    (dict(batch_size=None), "batch_size=None"),
+    (dict(timeout=-1), "timeout must be > 0"),
+    (dict(dataset=None), "needs a dataset"),
+    (dict(window=0), "window must be >= 1"),
+])
+def test_bad_arguments(cluster, kwargs, message):
+    args = dict(address=cluster.address, dataset=spec("Squares"))
+    args.update(kwargs)
+    with pytest.raises(dpex.DpexConfigError, match=message):
+        dpex.RemoteDataLoader(**args)
+
+
+def test_torch_argument_checks_still_apply(cluster):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        dpex.RemoteDataLoader(cluster.address, spec("Squares"), shuffle=True,
+                              sampler=SequentialSampler(range(3)))
+
+
+def test_bad_dataset_spec():
+    with pytest.raises(dpex.DpexConfigError, match="package.module:attr"):
+        dpex.DatasetSpec("dpex.testing.datasets.Squares")
+    with pytest.raises(dpex.DpexConfigError, match="import string or a callable"):
+        dpex.DatasetSpec(42)
+
+
+def test_job_name_conflict(cluster):
+    a = dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared", timeout=30)
+    try:
+        same = dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared", timeout=30)
+        assert same.job_id == a.job_id
+        same.close()
+        with pytest.raises(dpex.DpexConflictError, match="'shared' already exists with a different dataset"):
+            dpex.RemoteDataLoader(cluster.address, spec("Squares", n=11), job_name="shared")
+        with pytest.raises(dpex.DpexConflictError, match="different num_consumers"):
+            dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared",
+                                  num_consumers=2)
+    finally:
+        a.close()
+
+
+def test_consumers_with_different_batch_counts_are_refused(cluster):
+    loaders = [dpex.RemoteDataLoader(cluster.address, spec("Squares", n=30), batch_size=4,
+                                     sampler=SequentialSampler(range(n)), num_consumers=2,
+                                     consumer_index=r, job_name="uneven", timeout=30)
+               for r, n in enumerate([16, 12])]
+    try:
+        assert len(list(loaders[0])) == 4
+        with pytest.raises(dpex.DpexConfigError, match="same number of batches"):
+            iter(loaders[1])
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+def test_timeout_names_the_missing_batches():
+    # A cluster without workers: nothing can arrive.
+    with dpex.LocalCluster(num_workers=0) as c:
+        with dpex.RemoteDataLoader(c.address, Squares(8), batch_size=4, timeout=1.0) as dl:
+            with pytest.raises(dpex.DpexTimeoutError, match=r"2 batches missing \(seq 0, 1\); workers alive: 0"):
+                list(dl)
+
+
+def test_a_closed_loader_refuses_to_iterate(cluster):
+    dl = dpex.RemoteDataLoader(cluster.address, spec("Squares", n=4), batch_size=2, timeout=30)
+    dl.close()
+    dl.close()  # idempotent
+    with pytest.raises(dpex.DpexConfigError, match="closed"):
+        iter(dl)

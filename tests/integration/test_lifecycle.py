@@ -1,0 +1,69 @@
+"""The embedded default starts and stops its own cluster; nothing is left
+behind on close(), on garbage collection mid-epoch, or on Ctrl-C."""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import dpex
+from dpex.testing import descendants, pids_alive, wait_until
+
+
+def dpex_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("dpex")]
+
+
+def test_local_cluster_close_stops_every_process():
+    before = set(descendants(os.getpid()))
+    cluster = dpex.LocalCluster(num_workers=2, processes=2)
+    started = [p for p in descendants(os.getpid()) if p not in before]
+    assert len(started) >= 1 + 2 + 2 * 2  # dispatcher, workers, their batch processes
+    cluster.close()
+    cluster.close()
+    assert pids_alive(started) == []
+
+
+def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch():
+    before = set(descendants(os.getpid()))
+    loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
+                                   batch_size=4, processes=1, timeout=60)
+    it = iter(loader)
+    assert next(it)["y"].tolist() == [0, 1, 2, 3]
+    started = [p for p in descendants(os.getpid()) if p not in before]
+    assert started and dpex_threads()
+    del loader, it
+    gc.collect()
+    assert pids_alive(started) == []
+    wait_until(lambda: not dpex_threads(), 10, "dpex threads to end")
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    import dpex
+    from dpex.testing import descendants
+    loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=10**4),
+                                   batch_size=2, processes=1)
+    for i, batch in enumerate(loader):
+        if i == 3:
+            print(" ".join(map(str, descendants(os.getpid()))), flush=True)
+""")
+
+
+def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster():
+    trainer = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    children = [int(p) for p in trainer.stdout.readline().split()]
+    assert len(children) >= 3
+    trainer.send_signal(signal.SIGINT)
+    assert trainer.wait(60) != 0
+    wait_until(lambda: pids_alive(children) == [], 20, "the cluster's processes to exit")
+
+
+def test_killed_trainer_takes_its_cluster_along():
+    trainer = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    children = [int(p) for p in trainer.stdout.readline().split()]
+    trainer.kill()
+    trainer.wait()
+    wait_until(lambda: pids_alive(children) == [], 20, "the cluster's processes to exit")
