@@ -1,0 +1,53 @@
+"""The CPU-heavy image pipeline the benchmarks share: PNG decode, random
+resized crop, horizontal flip, normalise, to a float tensor."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+
+def make_images(root: str, count: int, size: int, seed: int = 0) -> str:
+    """Writes ``count`` smooth-ish RGB PNGs of ``size``² once."""
+    marker = os.path.join(root, f".complete-{count}-{size}")
+    if os.path.exists(marker):
+        return root
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    for i in range(count):
+        a, b, c = rng.uniform(1, 8, 3)
+        base = np.stack([np.sin(a * xx + b * yy), np.cos(b * xx * yy * c), np.sin(c * yy)], -1)
+        image = (base * 100 + 128 + rng.normal(0, 8, base.shape)).clip(0, 255).astype(np.uint8)
+        Image.fromarray(image).save(os.path.join(root, f"{i:06d}.png"))
+    open(marker, "w").close()
+    return root
+
+
+class ImageFolder(Dataset):
+    def __init__(self, root: str, out_size: int = 112) -> None:
+        self.files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".png"))
+        self.out = out_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.files[i]) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            rng = np.random.default_rng()
+            scale = rng.uniform(0.35, 1.0)
+            cw, ch = int(w * np.sqrt(scale)), int(h * np.sqrt(scale))
+            left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            im = im.resize((self.out, self.out), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+            if rng.random() < 0.5:
+                im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        x = (np.asarray(im, dtype=np.float32) / 255.0 - MEAN) / STD
+        return torch.from_numpy(x.transpose(2, 0, 1).copy()), i % 10
