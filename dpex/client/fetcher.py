@@ -25,6 +25,13 @@ from dpex.wire import decode, parse_frame
 log = logging.getLogger("dpex.client")
 
 _WAIT_LOG_S = 30.0
+_BROKEN_BACKOFF_S = 1.0  # a worker whose stream failed is not asked again before this
+
+
+def describe(error: BaseException | None) -> str:
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 class _Owners(NamedTuple):
@@ -46,6 +53,7 @@ class Control:
         self._retry_for_s = retry_for_s
         self._lock = threading.Lock()
         self._acks: list[int] = []
+        self.next_seq = 0  # the lowest batch not received yet, set by the fetcher
         self._future: grpc.Future | None = None
         self._stop = threading.Event()
         # daemon=True only so that interpreter exit is not blocked before the
@@ -68,7 +76,7 @@ class Control:
             acks, self._acks = self._acks, []
         try:
             return call(self._stub.SyncConsumer,
-                        dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks,
+                        dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,
                         stop=None if not cancellable else self._stop.is_set,
@@ -124,12 +132,14 @@ class EpochFetcher:
         self._timeout_s = timeout_s
         self._transform = transform
         self._owner: dict[int, str] = {}
+        self._broken: dict[str, float] = {}        # address -> monotonic time to retry it
         self._requested: dict[int, str] = {}      # seq -> worker address
         self._received: dict[int, tuple[wpb.Batch, memoryview]] = {}
         self._retry: set[int] = set()
         self._cursor = 0                           # next seq never requested
         self._next = 0                             # next seq to yield (ordered)
         self._delivered: set[int] = set()          # received once: later copies are duplicates
+        self._low = 0                              # lowest seq not received yet
         self._yielded = 0
         self._workers_alive = -1
         self._closed = False
@@ -203,18 +213,26 @@ class EpochFetcher:
         # window full of later batches must not block the one we wait for.
         urgent = self._next if self._ordered else -1
         for seq in sorted(self._retry):
-            address = self._owner.get(seq)
+            address = self._route(seq)
             if address is not None and (outstanding < self._window or seq == urgent):
                 self._retry.discard(seq)
                 self._send(seq, address)
                 outstanding += 1
         while self._cursor < self._num and (outstanding < self._window or self._cursor == urgent):
-            address = self._owner.get(self._cursor)
+            address = self._route(self._cursor)
             if address is None:
                 break
             self._send(self._cursor, address)
             self._cursor += 1
             outstanding += 1
+
+    def _route(self, seq: int) -> str | None:
+        address = self._owner.get(seq)
+        if address is not None and address in self._broken:
+            if time.monotonic() < self._broken[address]:
+                return None
+            del self._broken[address]
+        return address
 
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
@@ -224,13 +242,19 @@ class EpochFetcher:
             for o in got.response.owners:
                 for seq in range(o.first_seq, o.first_seq + o.num_batches):
                     self._owner[seq] = o.worker_address
+            # A request to a worker that no longer owns the batch (lost, maybe
+            # frozen with its connection still open) will not be answered.
+            self._reroute(lambda seq, address: self._owner.get(seq) != address)
             return False
         if isinstance(got, _Failed):
             self.close()
             raise got.error
         assert isinstance(got, Received)
         if got.frame is None:
-            log.warning("stream to worker %s failed: %s; re-requesting its batches", got.address, got.error)
+            if got.address not in self._broken:
+                log.warning("stream to worker %s failed (%s); asking for its batches again",
+                            got.address, describe(got.error))
+            self._broken[got.address] = time.monotonic() + _BROKEN_BACKOFF_S
             self._streams.drop(got.address)
             self._reroute(lambda seq, address: address == got.address)
             return False
@@ -249,6 +273,9 @@ class EpochFetcher:
         self._delivered.add(seq)
         self._received[seq] = (meta, payload)
         self._control.ack(seq)
+        while self._low in self._delivered:
+            self._low += 1
+        self._control.next_seq = self._low
         return True
 
     def _reroute(self, which: Callable[[int, str], bool]) -> None:

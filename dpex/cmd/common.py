@@ -27,7 +27,10 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
         with open(tmp, "w") as f:
             f.write(server.address)
         os.replace(tmp, ready_file)
-    stop.wait()
+    # Short waits, not one long one: the kernel may deliver the signal to a
+    # gRPC thread, and Python runs handlers only when the main thread runs.
+    while not stop.wait(0.2):
+        pass
     logging.getLogger("dpex").info("shutting down")
     server.close()
 

@@ -87,28 +87,30 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def WorkerHeartbeat(self, request, context):
         deadline = time.monotonic() + self._config.heartbeat_interval_s
+        held = set(request.held_split_ids)
         with self._cond:
             worker = self._state.workers.get(request.worker_id)
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
             self._last_seen[worker.worker_id] = time.monotonic()
             response = dpb.WorkerHeartbeatResponse(
-                release_split_ids=self._state.releasable(worker.worker_id, list(request.held_split_ids)))
-            # Long-poll: wait for work so that a new plan starts within milliseconds.
-            while request.want_splits > 0 and not self._stop.is_set() and context.is_active():
-                assigned = self._apply(assign_splits=jpb.AssignSplits(
-                    worker_id=worker.worker_id, max_splits=request.want_splits))
-                if assigned or not worker.alive:
-                    for split_id in assigned:
-                        split = self._state.splits[split_id]
-                        response.splits.add(split_id=split_id, job_id=split.job_id,
-                                            consumer_index=split.consumer_index, epoch=split.epoch,
-                                            first_seq=split.first_seq, batches=split.batches)
-                    break
+                release_split_ids=self._state.releasable(worker.worker_id, list(held)))
+            # Long-poll: answer as soon as there is work, so a plan starts within
+            # milliseconds. Every split assigned to the worker that it does not
+            # hold yet is sent, so a lost response loses no assignment.
+            while worker.alive and not self._stop.is_set() and context.is_active():
+                if request.want_splits > 0:
+                    self._apply(assign_splits=jpb.AssignSplits(
+                        worker_id=worker.worker_id, max_splits=request.want_splits))
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if worker.held - held or remaining <= 0:
                     break
                 self._cond.wait(remaining)
+            for split_id in sorted(worker.held - held):
+                split = self._state.splits[split_id]
+                response.splits.add(split_id=split_id, job_id=split.job_id,
+                                    consumer_index=split.consumer_index, epoch=split.epoch,
+                                    first_seq=split.first_seq, batches=split.batches)
             self._last_seen[worker.worker_id] = time.monotonic()
         return response
 
@@ -181,6 +183,13 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._apply(mark_delivered=jpb.MarkDelivered(
                     job_id=request.job_id, consumer_index=request.consumer_index,
                     epoch=request.epoch, seqs=request.delivered_seqs))
+            # The batch the consumer waits for must have an owner now, even if
+            # every worker is full (of batches the consumer cannot take before it).
+            waited = self._state.split_at(plan, request.next_seq)
+            target = self._state.least_loaded_worker()
+            if waited is not None and waited.worker_id is None and target is not None:
+                self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id,
+                                                           split_id=waited.split_id))
             # Long-poll until the owners change, so the trainer learns of a
             # new assignment at once without polling.
             while True:

@@ -124,6 +124,12 @@ class DispatcherState:
         worker = self.workers.get(u.worker_id)
         if worker is None or not worker.alive:
             return []
+        if u.split_id:
+            split = self.splits.get(u.split_id)
+            if split is None or split.worker_id is not None:
+                return []
+            self._assign(split, worker)
+            return [split.split_id]
         assigned: list[int] = []
         for _ in range(u.max_splits):
             best: tuple | None = None
@@ -137,11 +143,8 @@ class DispatcherState:
                     best = (rank, job_id, split_id)
             if best is None:
                 break
-            _, job_id, split_id = best
-            self.unassigned[job_id].discard(split_id)
-            self.splits[split_id].worker_id = worker.worker_id
-            worker.held.add(split_id)
-            assigned.append(split_id)
+            self._assign(self.splits[best[2]], worker)
+            assigned.append(best[2])
         return assigned
 
     def _apply_mark_delivered(self, u: jpb.MarkDelivered) -> int:
@@ -171,6 +174,11 @@ class DispatcherState:
             self._cancel(plan)
 
     # ---- helpers (called only from apply) ----------------------------------
+    def _assign(self, split: Split, worker: Worker) -> None:
+        self.unassigned[split.job_id].discard(split.split_id)
+        split.worker_id = worker.worker_id
+        worker.held.add(split.split_id)
+
     def _lose(self, worker: Worker) -> None:
         worker.alive = False
         for split_id in worker.held:
@@ -209,6 +217,16 @@ class DispatcherState:
             if split is not None and split.worker_id is not None:
                 out.append((split, self.workers[split.worker_id]))
         return out
+
+    def split_at(self, plan: Plan, seq: int) -> Split | None:
+        """The live split of a plan that holds batch ``seq``."""
+        if seq >= plan.num_batches:
+            return None
+        return self.splits.get(plan.split_ids[seq // plan.split_size])
+
+    def least_loaded_worker(self) -> Worker | None:
+        alive = self.alive_workers()
+        return min(alive, key=lambda w: (len(w.held), w.worker_id)) if alive else None
 
     def releasable(self, worker_id: str, held: list[int]) -> list[int]:
         """Of the splits a worker says it holds, those no longer assigned to it."""

@@ -66,3 +66,16 @@ class Mixed(Dataset):
 class Unencodable(Squares):
     def __getitem__(self, i: int) -> object:
         return object()
+
+
+class Slow(Squares):
+    """Squares that take ``delay_s`` per sample, like a read from remote storage."""
+
+    def __init__(self, n: int = 100, delay_s: float = 0.01) -> None:
+        super().__init__(n)
+        self.delay_s = delay_s
+
+    def __getitem__(self, i: int) -> dict:
+        import time
+        time.sleep(self.delay_s)
+        return super().__getitem__(i)

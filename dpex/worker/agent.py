@@ -88,9 +88,7 @@ class DispatcherAgent:
                 log.error("heartbeat failed: %s", e)
                 self._stop.wait(interval)
                 continue
-            if want == 0 or not response.splits:
-                # The dispatcher long-polls when we want work; otherwise pace ourselves.
-                self._stop.wait(interval if want == 0 else 0)
+            # No pause: the dispatcher long-polls each heartbeat for up to an interval.
 
     def close(self) -> None:
         self._stop.set()

@@ -36,7 +36,7 @@ class Key(NamedTuple):
 @dataclass
 class _Split:
     split: dpb.Split
-    unsent: set[Key] = field(default_factory=set)
+    unproduced: set[Key] = field(default_factory=set)
 
 
 def not_assigned_frame(key: Key) -> bytes:
@@ -76,7 +76,7 @@ class Scheduler:
             for i in range(len(split.batches)):
                 key = Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
                 self._where[key] = (split.split_id, i)
-                entry.unsent.add(key)
+                entry.unproduced.add(key)
                 self._pending_set.add(key)
                 heapq.heappush(self._pending, key)
                 if key in self._waiters:
@@ -109,9 +109,11 @@ class Scheduler:
             return list(self._splits)
 
     def free_capacity(self, max_held_splits: int) -> int:
-        """How many more splits to take: held splits with unsent batches count."""
+        """How many more splits to take: held splits with batches still to
+        produce count. Produced ones wait in the bounded buffer, and must not
+        stop the worker from taking the split a trainer waits for."""
         with self._cond:
-            busy = sum(1 for e in self._splits.values() if e.unsent)
+            busy = sum(1 for e in self._splits.values() if e.unproduced)
             return max(0, max_held_splits - busy)
 
     def depth(self) -> tuple[int, int]:
@@ -123,7 +125,6 @@ class Scheduler:
         with self._cond:
             frame = self._ready.pop(key, None)
             if frame is not None:
-                self._sent(key)
                 sink(frame)
                 return
             self._waiters.setdefault(key, []).append(sink)
@@ -201,17 +202,13 @@ class Scheduler:
             self._cond.notify_all()
             if key not in self._where:
                 return  # released meanwhile
+            self._splits[self._where[key][0]].unproduced.discard(key)
             sinks = self._waiters.pop(key, None)
             if sinks:
-                self._sent(key)
                 for sink in sinks:
                     sink(frame)
             else:
                 self._ready[key] = frame
-
-    def _sent(self, key: Key) -> None:
-        split_id, _ = self._where[key]
-        self._splits[split_id].unsent.discard(key)
 
     def close(self) -> None:
         with self._cond:
