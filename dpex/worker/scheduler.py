@@ -126,6 +126,7 @@ class Scheduler:
             frame = self._ready.pop(key, None)
             if frame is not None:
                 sink(frame)
+                self._cond.notify_all()  # a free buffer slot: produce ahead again
                 return
             self._waiters.setdefault(key, []).append(sink)
             if key in self._running:
@@ -142,7 +143,7 @@ class Scheduler:
         """Forgets a closed stream's outstanding requests."""
         with self._cond:
             for key in [k for k, sinks in self._waiters.items() if sink in sinks]:
-                sinks = [s for s in self._waiters[key] if s is not sink]
+                sinks = [s for s in self._waiters[key] if s != sink]
                 if sinks:
                     self._waiters[key] = sinks
                 else:

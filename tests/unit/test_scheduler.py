@@ -1,0 +1,85 @@
+"""The worker's scheduler, with a real process pool: memory stays bounded by
+the buffer, requested batches still get produced, released work is dropped."""
+import cloudpickle
+import pytest
+
+import dpex
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.testing import wait_until
+from dpex.wire import decode, parse_frame
+from dpex.worker.pool import BatchPool
+from dpex.worker.scheduler import Key, Scheduler
+
+BUFFER = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = BatchPool(1, "test-worker")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def scheduler(pool, tmp_path):
+    path = tmp_path / "job.pb"
+    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(
+        dpex.DatasetSpec("dpex.testing.datasets:Squares", n=100)), num_consumers=1).SerializeToString())
+    s = Scheduler(pool, lambda job_id: str(path), buffer_batches=BUFFER, max_inflight=2,
+                  worker_address="test-worker", unknown_grace_s=0.3)
+    yield s
+    s.close()
+
+
+def split(split_id=1, first=0, n=20):
+    return dpb.Split(split_id=split_id, job_id=9, consumer_index=0, epoch=0, first_seq=first,
+                     batches=[dpb.IndexBatch(indices=[2 * i, 2 * i + 1]) for i in range(first, first + n)])
+
+
+def key(seq):
+    return Key(epoch=0, seq=seq, consumer_index=0, job_id=9)
+
+
+def test_buffer_bounds_what_is_produced_ahead(scheduler):
+    scheduler.add_split(split())
+    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    assert scheduler.depth() == (BUFFER, 0)  # and no more is started
+    assert scheduler.free_capacity(4) == 3   # the split still has batches to produce
+
+
+def test_requested_batches_are_produced_beyond_the_buffer(scheduler):
+    scheduler.add_split(split())
+    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    got = []
+    scheduler.request(key(15), got.append)
+    wait_until(lambda: got, what="batch 15")
+    meta, payload = parse_frame(got[0])
+    assert meta.seq == 15 and decode(payload)["y"].tolist() == [30, 31]
+    assert scheduler.depth() == (BUFFER, 0)
+    scheduler.request(key(0), got.append)  # from the buffer at once
+    assert parse_frame(got[1])[0].seq == 0
+    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="the buffer to refill")
+
+
+def test_released_and_unknown_batches_answer_not_assigned(scheduler):
+    got = []
+    scheduler.request(key(50), got.append)  # no split holds it yet
+    scheduler.add_split(split(split_id=2, first=40, n=2))
+    scheduler.request(key(41), got.append)
+    wait_until(lambda: len(got) == 1, what="batch 41")
+    scheduler.release([2])
+    wait_until(lambda: len(got) == 2, what="the unknown batch to time out")
+    assert parse_frame(got[1])[0].not_assigned and parse_frame(got[1])[0].seq == 50
+    scheduler.request(key(40), got.append)  # released: no longer ours
+    wait_until(lambda: len(got) == 3, what="a not_assigned answer")
+    assert parse_frame(got[2])[0].not_assigned
+    assert scheduler.held_split_ids() == []
+
+
+def test_cancelled_stream_requests_are_forgotten(scheduler):
+    got = []
+    scheduler.request(key(3), got.append)
+    scheduler.cancel(got.append)
+    scheduler.add_split(split(split_id=3, first=0, n=4))
+    wait_until(lambda: scheduler.depth()[0] == BUFFER, what="production")
+    assert got == []
