@@ -171,3 +171,9 @@ def test_breaking_out_of_an_epoch_and_starting_the_next(cluster):
         first = next(iter(dl))
         assert first["y"].tolist() == [0, 1]
         assert len(list(dl)) == len(dl)
+
+
+def test_a_callable_target_is_shipped_and_called_on_the_worker(cluster):
+    spec = dpex.DatasetSpec(lambda n, dim: Squares(n, dim), 9, dim=2)
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=3, timeout=60) as dl:
+        assert_same_batches(list(dl), list(DataLoader(Squares(9, 2), batch_size=3)))
