@@ -18,7 +18,7 @@ def run(*args, env=None, timeout=60):
 
 
 @pytest.mark.parametrize("cmd,words", [
-    (["dpex-dispatcher"], ["--port", "DPEX_PORT", "--heartbeat-timeout", "DPEX_WORK_DIR"]),
+    (["dpex-dispatcher"], ["--port", "DPEX_PORT", "--heartbeat-timeout", "DPEX_HEARTBEAT_TIMEOUT"]),
     (["dpex-worker"], ["--dispatcher", "DPEX_DISPATCHER", "--processes", "DPEX_PROCESSES", "Example"]),
     (["dpex", "status"], ["--dispatcher", "DPEX_DISPATCHER"]),
 ])
