@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "RemoteDataLoader": "dpex.client.loader",
+    "DpexDataLoader": "dpex.client.compat",
     "LocalCluster": "dpex.cluster",
     "DatasetSpec": "dpex.dataset",
     **{name: "dpex.errors" for name in (
@@ -34,6 +35,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from dpex.client.compat import DpexDataLoader
     from dpex.client.loader import RemoteDataLoader
     from dpex.cluster import LocalCluster
     from dpex.dataset import DatasetSpec

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,9 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import call, channel
 
 log = logging.getLogger("dpex.client")
+
+
+_LARGE_DATASET_BYTES = 4 << 20
 
 
 class _Indices(tud.Dataset):
@@ -53,6 +57,19 @@ class _Constant:
 
     def __call__(self) -> Any:
         return self.dataset
+
+
+def _pinner() -> Callable[[Any], Any] | None:
+    """torch's pin_memory step, on the trainer; like torch, a warning and no
+    pinning when there is no accelerator."""
+    import torch
+    from torch.utils.data._utils.pin_memory import pin_memory
+    if not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                      "then device pinned memory won't be used.", stacklevel=3)
+        return None
+    device = torch.accelerator.current_accelerator().type
+    return lambda batch: pin_memory(batch, device)
 
 
 class _Resources:
@@ -96,6 +113,10 @@ class RemoteDataLoader:
     files) or a dataset instance (shipped to the workers by value).
     ``timeout`` is how many seconds to wait for the next batch before raising
     (None: wait as long as it takes). ``window`` batches are requested ahead.
+    As with torch's DataLoader, each worker process seeds itself from the
+    epoch's base seed plus its id, sets ``get_worker_info()`` and calls
+    ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
+    ``pin_memory`` pins batches in the trainer when an accelerator is present.
     """
 
     def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
@@ -104,7 +125,9 @@ class RemoteDataLoader:
                  collate_fn: Callable[[list], Any] | None = None, num_consumers: int = 1,
                  consumer_index: int = 0, job_name: str | None = None, ordered: bool = True,
                  timeout: float | None = None, *, generator: Any = None, window: int | None = None,
-                 processes: int | None = None, connect_timeout: float = 30.0) -> None:
+                 worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
+                 pin_memory: bool = False, processes: int | None = None,
+                 connect_timeout: float = 30.0) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -136,7 +159,13 @@ class RemoteDataLoader:
             self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
             job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
                              collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
-                             num_consumers=num_consumers)
+                             num_consumers=num_consumers, persistent_workers=persistent_workers,
+                             worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"")
+            if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
+                warnings.warn(
+                    f"the dataset instance is shipped to every worker by value and pickles to "
+                    f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
+                    "so that workers build it from their own local files", stacklevel=2)
             self.job_id = job_id = self._call(stub.GetOrCreateJob, dpb.GetOrCreateJobRequest(job=job)).job_id
             target = self._target  # the lambda must not hold the loader: it runs at its collection
             self._res.release = lambda: call(
@@ -155,6 +184,7 @@ class RemoteDataLoader:
                                         sampler=sampler, batch_sampler=batch_sampler,
                                         drop_last=drop_last, collate_fn=_as_list, generator=generator)
             self._window = window or 4 * max(1, self._workers_alive())
+            self._transform = _pinner() if pin_memory else None
         except BaseException:
             self.close()
             raise
@@ -175,16 +205,20 @@ class RemoteDataLoader:
             raise DpexConfigError("this RemoteDataLoader is closed")
         if self._res.fetcher is not None:
             self._res.fetcher.close()
-        plan = [dpb.IndexBatch(indices=b) for b in self._plan]
+        # torch's own iterator draws the epoch's base seed, then runs the sampler.
+        indices = iter(self._plan)
+        base_seed = indices._base_seed
+        plan = [dpb.IndexBatch(indices=b) for b in indices]
         epoch = self._epoch_counter
         self._epoch_counter += 1
         self._call(self._res.stub.SubmitPlan, dpb.SubmitPlanRequest(
-            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan))
+            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan,
+            base_seed=base_seed))
         self._res.fetcher = EpochFetcher(
             stub=self._res.stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout)
+            retry_for_s=self._connect_timeout, transform=self._transform)
         return self._res.fetcher
 
     def close(self) -> None:

@@ -29,8 +29,8 @@ def job_fingerprint(job: dpb.JobDef) -> bytes:
     return h.digest()
 
 
-def plan_hash(batches) -> bytes:
-    h = hashlib.sha256()
+def plan_hash(batches, base_seed: int) -> bytes:
+    h = hashlib.sha256(base_seed.to_bytes(8, "little"))
     for batch in batches:
         h.update(batch.SerializeToString())
         h.update(b"|")
@@ -110,7 +110,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 split = self._state.splits[split_id]
                 response.splits.add(split_id=split_id, job_id=split.job_id,
                                     consumer_index=split.consumer_index, epoch=split.epoch,
-                                    first_seq=split.first_seq, batches=split.batches)
+                                    first_seq=split.first_seq, batches=split.batches,
+                                    base_seed=split.base_seed)
             self._last_seen[worker.worker_id] = time.monotonic()
         return response
 
@@ -151,7 +152,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def SubmitPlan(self, request, context):
-        digest = plan_hash(request.batches)
+        digest = plan_hash(request.batches, request.base_seed)
         with self._cond:
             job = self._job(request.job_id)
             if request.consumer_index >= job.definition.num_consumers:
@@ -166,7 +167,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         "every consumer must get the same number of batches (DDP ranks would hang)")
             plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
-                batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches))
+                batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches,
+                base_seed=request.base_seed))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method

@@ -31,6 +31,7 @@ class Split:
     epoch: int
     first_seq: int
     batches: list[dpb.IndexBatch]
+    base_seed: int = 0
     worker_id: str | None = None
     delivered: set[int] = field(default_factory=set)  # seqs
 
@@ -111,7 +112,7 @@ class DispatcherState:
         plan = Plan(u.epoch, u.plan_hash, size, len(u.batches), [])
         for first in range(0, len(u.batches), size):
             split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, first,
-                          list(u.batches[first:first + size]))
+                          list(u.batches[first:first + size]), u.base_seed)
             self.next_split_id += 1
             self.splits[split.split_id] = split
             self.unassigned[u.job_id].add(split.split_id)

@@ -79,3 +79,38 @@ class Slow(Squares):
         import time
         time.sleep(self.delay_s)
         return super().__getitem__(i)
+
+
+class WorkerProbe(Dataset):
+    """Each sample reports what torch's worker API says inside the worker."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.n = n
+        self.init_calls: list[int] = []
+        self.seeded: dict = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        info = torch.utils.data.get_worker_info()
+        me = info.dataset
+        return {"i": i, "id": info.id, "num_workers": info.num_workers, "seed": info.seed,
+                "init_calls": len(me.init_calls), "torch_seed": me.seeded.get("torch", -1),
+                "np_state": torch.tensor(me.seeded.get("np", [-1] * 4)), "pid": os.getpid()}
+
+
+def record_worker_init(worker_id: int) -> None:
+    """A worker_init_fn that records what torch's seeding left behind."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == worker_id
+    info.dataset.init_calls.append(worker_id)
+    info.dataset.seeded = {"torch": torch.initial_seed(), "np": np.random.get_state()[1][:4].tolist()}
+
+
+class Big(Squares):
+    """A dataset instance that carries ~6 MB of data."""
+
+    def __init__(self) -> None:
+        super().__init__(8)
+        self.blob = np.ones(6 << 20, dtype=np.uint8)

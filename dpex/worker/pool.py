@@ -30,11 +30,30 @@ class Task(NamedTuple):
     epoch: int
     seq: int
     indices: list[int]
+    base_seed: int = 0
 
 
 # ---- child side ------------------------------------------------------------
 _worker_address = ""
-_jobs: OrderedDict[int, tuple[Any, Callable[[list], Any]]] = OrderedDict()
+_child_index, _num_children = 0, 1
+
+
+class _Job(NamedTuple):
+    dataset: Any
+    collate: Callable[[list], Any]
+    worker_init_fn: Callable[[int], None] | None
+    persistent: bool
+
+
+class _Context(NamedTuple):
+    """What torch gives one DataLoader worker: its WorkerInfo and RNG streams."""
+    info: Any
+    rng: list  # [python random state, torch state, numpy state], saved on switch
+
+
+_jobs: OrderedDict[int, _Job] = OrderedDict()
+_contexts: OrderedDict[tuple, _Context] = OrderedDict()
+_current: tuple | None = None
 
 
 def _set_parent_death_signal() -> None:
@@ -44,16 +63,20 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _init_child(worker_address: str) -> None:
-    global _worker_address
+def _init_child(worker_address: str, counter: Any, num_children: int) -> None:
+    global _worker_address, _child_index, _num_children
     _worker_address = worker_address
+    with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
+        _child_index = counter.value
+        counter.value += 1
+    _num_children = num_children
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
 
 
-def _load_job(job_id: int, job_path: str) -> tuple[Any, Callable[[list], Any]]:
+def _load_job(job_id: int, job_path: str) -> _Job:
     if job_id in _jobs:
         _jobs.move_to_end(job_id)
         return _jobs[job_id]
@@ -64,12 +87,51 @@ def _load_job(job_id: int, job_path: str) -> tuple[Any, Callable[[list], Any]]:
     with open(job_path, "rb") as f:
         job = dpb.JobDef.FromString(f.read())
     spec = cloudpickle.loads(job.dataset)
-    dataset = spec.build()
-    collate = cloudpickle.loads(job.collate) if job.collate else default_collate
-    _jobs[job_id] = (dataset, collate)
+    _jobs[job_id] = _Job(spec.build(), cloudpickle.loads(job.collate) if job.collate else default_collate,
+                         cloudpickle.loads(job.worker_init_fn) if job.worker_init_fn else None,
+                         job.persistent_workers)
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
-    return dataset, collate
+    return _jobs[job_id]
+
+
+def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
+    """Makes this process the job's worker ``_child_index`` for ``epoch``, as
+    torch's DataLoader does for its workers: seeds ``base_seed + id`` (numpy
+    through torch's seed sequence), WorkerInfo, then ``worker_init_fn(id)``.
+    A process serving several jobs keeps each one's RNG streams apart."""
+    global _current
+    import random
+
+    import numpy as np
+    import torch
+    from torch.utils.data._utils import worker as torch_worker
+    key = (job_id,) if job.persistent else (job_id, epoch)
+    if key == _current:
+        return
+    if _current in _contexts:
+        _contexts[_current].rng[:] = [random.getstate(), torch.get_rng_state(), np.random.get_state()]
+    context = _contexts.get(key)
+    _current = key
+    if context is not None:
+        _contexts.move_to_end(key)
+        random.setstate(context.rng[0])
+        torch.set_rng_state(context.rng[1])
+        np.random.set_state(context.rng[2])
+        torch_worker._worker_info = context.info
+        return
+    seed = base_seed + _child_index
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(base_seed, _child_index))
+    info = torch_worker.WorkerInfo(id=_child_index, num_workers=_num_children, seed=seed,
+                                   dataset=job.dataset)
+    torch_worker._worker_info = info
+    _contexts[key] = _Context(info, [])
+    while len(_contexts) > 4 * _MAX_CACHED_JOBS:
+        _contexts.popitem(last=False)
+    if job.worker_init_fn is not None:
+        job.worker_init_fn(_child_index)
 
 
 def produce(task: Task) -> bytes:
@@ -80,12 +142,14 @@ def produce(task: Task) -> bytes:
                      epoch=task.epoch, seq=task.seq)
     stage, index = "build", -1
     try:
-        dataset, collate = _load_job(task.job_id, task.job_path)
+        job = _load_job(task.job_id, task.job_path)
+        stage = "worker_init_fn"
+        _enter(task.job_id, task.epoch, task.base_seed, job)
         stage, samples = "getitem", []
         for index in task.indices:
-            samples.append(dataset[index])
+            samples.append(job.dataset[index])
         stage, index = "collate", -1
-        batch = collate(samples)
+        batch = job.collate(samples)
         stage = "encode"
         parts = encode_parts(batch)
     except Exception as e:
@@ -106,7 +170,7 @@ def inspect(job_id: int, job_path: str) -> bytes:
     """Runs in a child: builds the dataset and reports its length."""
     from dpex.proto import worker_pb2 as wpb
     try:
-        dataset, _ = _load_job(job_id, job_path)
+        dataset = _load_job(job_id, job_path).dataset
         length = len(dataset) if hasattr(dataset, "__len__") else -1
         return wpb.InspectResponse(length=length).SerializeToString()
     except Exception as e:
@@ -129,9 +193,10 @@ class BatchPool:
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
-        executor = ProcessPoolExecutor(max_workers=self._processes,
-                                       mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_init_child, initargs=(self._address,))
+        context = multiprocessing.get_context("spawn")
+        executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
+                                       initializer=_init_child,
+                                       initargs=(self._address, context.Value("i", 0), self._processes))
         # Start every child now, not at the first batch.
         for f in [executor.submit(_warm_up) for _ in range(self._processes)]:
             f.result()

@@ -184,7 +184,7 @@ class Scheduler:
                 split_id, offset = self._where[key]
                 split = self._splits[split_id].split
                 task = Task(key.job_id, self._job_path(key.job_id), key.consumer_index, key.epoch,
-                            key.seq, list(split.batches[offset].indices))
+                            key.seq, list(split.batches[offset].indices), split.base_seed)
                 try:
                     future = self._pool.submit(produce, task)
                 except RuntimeError:  # closing

@@ -1,0 +1,139 @@
+"""DpexDataLoader: the drop-in for torch.utils.data.DataLoader, with the
+signature of the original (Ray-based) Dpex.
+
+``distribute_mode=False`` returns torch's own DataLoader, built from the same
+arguments. ``distribute_mode=True`` runs loading on Dpex workers through a
+RemoteDataLoader and keeps torch's semantics for everything else.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from dpex.client.loader import RemoteDataLoader
+from dpex.errors import DpexConfigError, DpexTimeoutError
+
+
+def resolve_head_address(head_address: str | None) -> str | None:
+    """"auto": $DPEX_DISPATCHER if set, else None (an embedded local cluster)."""
+    if head_address is None or head_address == "auto":
+        return os.environ.get("DPEX_DISPATCHER") or None
+    return head_address
+
+
+class DpexDataLoader:
+    """``DataLoader(...)`` → ``DpexDataLoader(..., distribute_mode=True)``.
+
+    In distribute mode, ``head_address`` is the dispatcher (``"auto"``:
+    ``$DPEX_DISPATCHER`` or an embedded cluster of ``num_workers`` processes);
+    ``num_workers`` is how many worker processes the job asks for (and, with
+    ``prefetch_factor``, how many batches are requested ahead); the dataset
+    instance is shipped to the workers by value (see ``dpex.DatasetSpec`` for
+    large datasets). ``worker_init_fn``, ``get_worker_info()``, per-process
+    seeds, ``generator``, ``timeout``, ``pin_memory``, ``in_order`` and
+    ``persistent_workers`` behave as in torch.
+    """
+
+    def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
+                batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
+                batch_sampler: Any = None, num_workers: int = 0,
+                collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
+                drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                multiprocessing_context: Any = None, generator: Any = None, *,
+                prefetch_factor: int | None = None, persistent_workers: bool = False,
+                in_order: bool = True, pin_memory_device: str = "", **kwargs: Any) -> Any:
+        if not distribute_mode:
+            return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                              batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                              pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                              worker_init_fn=worker_init_fn,
+                              multiprocessing_context=multiprocessing_context, generator=generator,
+                              prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                              pin_memory_device=pin_memory_device, in_order=in_order, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
+                 batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
+                 batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: Any = None, *,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 in_order: bool = True, pin_memory_device: str = "", **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"DpexDataLoader got unexpected arguments: {', '.join(kwargs)}")
+        if num_workers < 0:
+            raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if isinstance(dataset, IterableDataset):
+            raise DpexConfigError("distribute_mode=True does not support IterableDataset yet; "
+                                  "use a map-style dataset or distribute_mode=False")
+        start = multiprocessing_context
+        if start is not None and getattr(start, "get_start_method", lambda: start)() != "spawn":
+            raise DpexConfigError("Dpex worker processes are always spawned; multiprocessing_context "
+                                  "must be None or 'spawn' with distribute_mode=True")
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self.prefetch_factor = 2 if prefetch_factor is None else prefetch_factor
+        self.timeout = timeout
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self.head_address = resolve_head_address(head_address)
+        self._remote = RemoteDataLoader(
+            self.head_address, dataset, batch_size=batch_size, shuffle=bool(shuffle), drop_last=drop_last,
+            sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn, ordered=in_order,
+            timeout=timeout or None, generator=generator,
+            window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,
+            persistent_workers=persistent_workers, pin_memory=pin_memory,
+            processes=max(1, num_workers))
+
+    # torch's attributes, read from the plan that torch's own classes make
+    @property
+    def batch_size(self) -> int | None:
+        return self._remote._plan.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self._remote._plan.drop_last
+
+    @property
+    def sampler(self) -> Any:
+        return self._remote._plan.sampler
+
+    @property
+    def batch_sampler(self) -> Any:
+        return self._remote._plan.batch_sampler
+
+    @property
+    def generator(self) -> Any:
+        return self._remote._plan.generator
+
+    def __len__(self) -> int:
+        return len(self._remote)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._remote.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        timeout = self.timeout
+        try:
+            yield from self._remote
+        except DpexTimeoutError as e:
+            raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from e
+
+    def close(self) -> None:
+        """Stops streams and, with an embedded cluster, its processes."""
+        self._remote.close()
+
+    def __enter__(self) -> "DpexDataLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
