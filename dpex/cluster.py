@@ -1,7 +1,6 @@
 """LocalCluster: a dispatcher and workers as local processes on loopback ports."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -14,13 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpex.errors import DpexConfigError, DpexError
-
-
-def _die_with_parent() -> None:
-    try:  # Linux: the daemon gets SIGTERM when the process that started it dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+from dpex.procutil import PARENT_ENV
 
 
 @dataclass
@@ -69,7 +62,8 @@ class LocalCluster:
         self._hb = (heartbeat_interval_s, heartbeat_timeout_s)
         self._buffer_batches = buffer_batches
         self._start_timeout_s = start_timeout_s
-        self._env = {**os.environ, **(env or {})}
+        # The daemons set their parent-death signal themselves (dpex.procutil).
+        self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
         self.log_dir = self._tmp.name
         self._lock = threading.Lock()
@@ -101,7 +95,7 @@ class LocalCluster:
         with open(log_path, "ab") as log:
             process = subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready],
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env=self._env, preexec_fn=_die_with_parent)
+                                       env=self._env)
         return process, ready, log_path
 
     def _await(self, name: str, process: subprocess.Popen, ready: str, log_path: str) -> Daemon:

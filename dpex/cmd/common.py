@@ -9,10 +9,13 @@ from typing import Any
 
 import click
 
+from dpex.procutil import die_with_parent_from_env
+
 LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
 
 
 def setup_logging(level: str) -> None:
+    die_with_parent_from_env()  # started by a LocalCluster: stop with it
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
 

@@ -6,7 +6,6 @@ bytes. Spawned, not forked: the daemon runs gRPC threads.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -17,6 +16,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, NamedTuple
+
+from dpex.procutil import die_with_parent
 
 log = logging.getLogger("dpex.worker")
 
@@ -56,13 +57,6 @@ _contexts: OrderedDict[tuple, _Context] = OrderedDict()
 _current: tuple | None = None
 
 
-def _set_parent_death_signal() -> None:
-    try:  # Linux: die with the daemon even if it is SIGKILLed
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _init_child(worker_address: str, counter: Any, num_children: int) -> None:
     global _worker_address, _child_index, _num_children
     _worker_address = worker_address
@@ -70,7 +64,7 @@ def _init_child(worker_address: str, counter: Any, num_children: int) -> None:
         _child_index = counter.value
         counter.value += 1
     _num_children = num_children
-    _set_parent_death_signal()
+    die_with_parent()  # even if the daemon is SIGKILLed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism

@@ -1,0 +1,127 @@
+"""Train a small CNN on scikit-learn's 8x8 digits with DpexDataLoader — the
+scenarios of the original Dpex: one process, nn.DataParallel, and DDP.
+
+    python examples/train_digits.py --mode single [--distribute]
+    python examples/train_digits.py --mode dp [--distribute]
+    torchrun --nproc_per_node=2 examples/train_digits.py --mode ddp [--distribute]
+
+The only difference between the two data paths is the `distribute_mode` flag.
+With --distribute, loading runs on Dpex workers: at $DPEX_DISPATCHER if set,
+otherwise on an embedded local cluster. --bug swaps in the original project's
+BugDataset, whose __getitem__ divides by zero. --out writes the per-step
+losses, the batches each rank saw and the test accuracy as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import Dataset, DistributedSampler
+
+from dpex import DpexDataLoader
+
+
+class Digits(Dataset):
+    """scikit-learn's digits, 8x8 grey images; the first 1500 train, the rest test."""
+
+    def __init__(self, train: bool) -> None:
+        x, y = load_digits(return_X_y=True)
+        part = slice(0, 1500) if train else slice(1500, None)
+        self.x = torch.tensor(x[part], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+        self.y = torch.tensor(y[part])
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class BugDataset(Digits):
+    def __getitem__(self, i: int):
+        return 1 / 0
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 10))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["single", "dp", "ddp"], default="single")
+    p.add_argument("--distribute", action="store_true", help="load on Dpex workers")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--bug", action="store_true", help="use the BugDataset")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    ddp = args.mode == "ddp"
+    rank, world = 0, 1
+    if ddp:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    net = model().to(device)
+    if args.mode == "dp":
+        net = nn.DataParallel(net)
+    elif ddp:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    train_set = BugDataset(True) if args.bug else Digits(True)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0) if ddp else None
+    loader = DpexDataLoader(train_set, distribute_mode=args.distribute, batch_size=args.batch_size,
+                            shuffle=sampler is None, sampler=sampler, num_workers=args.num_workers,
+                            generator=torch.Generator().manual_seed(0),
+                            pin_memory=device.type == "cuda")
+    losses, seen = [], []
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        net.train()
+        ids = []
+        for x, y, i in loader:
+            x, y = x.to(device), y.to(device)
+            opt.zero_grad()
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            ids.append(i.tolist())
+        seen.append(ids)
+        print(f"rank {rank} epoch {epoch}: {len(ids)} batches, last loss {losses[-1]:.4f}", flush=True)
+
+    net.eval()
+    test = DpexDataLoader(Digits(False), distribute_mode=args.distribute, batch_size=256)
+    correct = total = 0
+    with torch.no_grad():
+        for x, y, _ in test:
+            correct += (net(x.to(device)).argmax(1).cpu() == y).sum().item()
+            total += len(y)
+    accuracy = correct / total
+    print(f"rank {rank}: test accuracy {accuracy:.4f}, final loss {losses[-1]:.4f}", flush=True)
+    if args.out:
+        path = args.out if not ddp else f"{args.out}.rank{rank}"
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "world": world, "losses": losses, "seen": seen, "accuracy": accuracy}, f)
+    for l in (loader, test):
+        if hasattr(l, "close"):
+            l.close()
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

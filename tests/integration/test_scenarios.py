@@ -1,0 +1,72 @@
+"""The original project's training scenarios, run as a user runs them
+(examples/train_digits.py), with the data path as the only difference."""
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dpex import DpexDataLoader
+from dpex.testing import descendants, pids_alive, wait_until
+from dpex.testing.datasets import Squares
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "train_digits.py")
+BIN = os.path.dirname(sys.executable)
+
+
+def train(cluster, tmp_path, mode, distribute, *extra, check=True):
+    out = tmp_path / f"{mode}-{distribute}.json"
+    args = ["--mode", mode, "--epochs", "1", "--out", str(out), *extra] + (["--distribute"] if distribute else [])
+    cmd = ([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", SCRIPT] if mode == "ddp"
+           else [sys.executable, SCRIPT]) + args
+    env = {**os.environ, "DPEX_DISPATCHER": cluster.address, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if not check:
+        return done
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = [f"{out}.rank{r}" for r in range(2)] if mode == "ddp" else [str(out)]
+    return [json.load(open(p)) for p in paths]
+
+
+@pytest.mark.parametrize("mode", ["single", "dp"])
+def test_same_losses_with_and_without_distribute_mode(cluster, tmp_path, mode):
+    (ours,), (theirs,) = train(cluster, tmp_path, mode, True), train(cluster, tmp_path, mode, False)
+    assert ours["seen"] == theirs["seen"]
+    assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])) < 1e-6
+    assert ours["accuracy"] == pytest.approx(theirs["accuracy"])
+
+
+def test_ddp_with_torchrun_gives_each_rank_its_shard(cluster, tmp_path):
+    ranks = train(cluster, tmp_path, "ddp", True)
+    torch_ranks = train(cluster, tmp_path, "ddp", False)
+    shards = [[i for batch in r["seen"][0] for i in batch] for r in ranks]
+    assert len(ranks[0]["seen"][0]) == len(ranks[1]["seen"][0]) == 24  # same batch count: no hang
+    assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(1500))
+    for ours, theirs in zip(ranks, torch_ranks):
+        assert ours["seen"] == theirs["seen"] and ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+
+
+def test_bug_dataset_fails_with_a_clear_error(cluster, tmp_path):
+    done = train(cluster, tmp_path, "single", True, "--bug", check=False)
+    assert done.returncode != 0
+    assert "dpex.errors.DpexWorkerError: ZeroDivisionError: division by zero (raised in dataset[" in done.stderr
+    assert "return 1 / 0" in done.stderr  # the remote traceback
+
+
+def test_deleting_a_loader_mid_epoch_leaves_nothing_behind(monkeypatch):
+    monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": an embedded cluster
+    before = set(descendants(os.getpid()))
+    loader = DpexDataLoader(Squares(64), distribute_mode=True, batch_size=4, num_workers=1)
+    it = iter(loader)
+    assert next(it)["y"].tolist() == [0, 1, 2, 3]
+    started = [p for p in descendants(os.getpid()) if p not in before]
+    assert started
+    del loader, it
+    gc.collect()
+    assert pids_alive(started) == []
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("dpex")], 10,
+               "dpex threads to end")
