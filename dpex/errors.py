@@ -41,12 +41,12 @@ class DpexWorkerError(DpexError):
     Carries the remote exception's type name and message, the remote
     traceback, the worker's address, the sample index (-1 when the error was
     not tied to one sample) and the stage: "build" (constructing the
-    dataset), "worker_init_fn", "getitem", "collate", "encode", or "process"
-    (the worker process died).
+    dataset), "worker_init_fn", "getitem", "iterate" (an IterableDataset),
+    "collate", "encode", or "process" (the worker process died).
     """
 
     _WHERE = {"build": "while building the dataset", "collate": "in collate_fn",
-              "worker_init_fn": "in worker_init_fn",
+              "worker_init_fn": "in worker_init_fn", "iterate": "while iterating the dataset",
               "encode": "while encoding the batch (an unsupported type?)",
               "process": "in a worker process that died"}
 

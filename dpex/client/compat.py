@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from dpex.client.loader import RemoteDataLoader
 from dpex.errors import DpexConfigError, DpexTimeoutError
@@ -68,9 +68,6 @@ class DpexDataLoader:
             raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
         if timeout < 0:
             raise ValueError("timeout option should be non-negative")
-        if isinstance(dataset, IterableDataset):
-            raise DpexConfigError("distribute_mode=True does not support IterableDataset yet; "
-                                  "use a map-style dataset or distribute_mode=False")
         start = multiprocessing_context
         if start is not None and getattr(start, "get_start_method", lambda: start)() != "spawn":
             raise DpexConfigError("Dpex worker processes are always spawned; multiprocessing_context "
@@ -92,28 +89,28 @@ class DpexDataLoader:
             timeout=timeout or None, generator=generator,
             window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,
             persistent_workers=persistent_workers, pin_memory=pin_memory,
-            processes=max(1, num_workers))
+            num_workers=max(1, num_workers), processes=max(1, num_workers))
 
     # torch's attributes, read from the plan that torch's own classes make
     @property
     def batch_size(self) -> int | None:
-        return self._remote._plan.batch_size
+        return self._remote._batch_size if self._remote._plan is None else self._remote._plan.batch_size
 
     @property
     def drop_last(self) -> bool:
-        return self._remote._plan.drop_last
+        return self._remote._drop_last
 
     @property
     def sampler(self) -> Any:
-        return self._remote._plan.sampler
+        return None if self._remote._plan is None else self._remote._plan.sampler
 
     @property
     def batch_sampler(self) -> Any:
-        return self._remote._plan.batch_sampler
+        return None if self._remote._plan is None else self._remote._plan.batch_sampler
 
     @property
     def generator(self) -> Any:
-        return self._remote._plan.generator
+        return self._remote._generator
 
     def __len__(self) -> int:
         return len(self._remote)

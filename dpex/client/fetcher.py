@@ -122,11 +122,15 @@ class EpochFetcher:
     def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
                  timeout_s: float | None, retry_for_s: float,
-                 transform: Callable[[Any], Any] | None = None) -> None:
+                 transform: Callable[[Any], Any] | None = None, num_streams: int = 0) -> None:
+        """``num_streams`` > 0: an IterableDataset epoch of that many streams
+        of unknown length (batch j of stream k is seq j*N+k; num_batches unused)."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
         self._num = num_batches
+        self._n = num_streams
+        self._ends: dict[int, int] = {}            # stream -> its number of batches
         self._window = window
         self._ordered = ordered
         self._timeout_s = timeout_s
@@ -149,7 +153,32 @@ class EpochFetcher:
         return self
 
     def __len__(self) -> int:
+        if self._n:
+            raise TypeError("an IterableDataset epoch has no length")
         return self._num
+
+    # ---- plan (map-style) or streams (IterableDataset) ----------------------
+    def _limit(self) -> int | None:
+        """Seqs from here on do not exist; None while a stream may go on."""
+        if not self._n:
+            return self._num
+        if len(self._ends) < self._n:
+            return None
+        return max(((j - 1) * self._n + k + 1 for k, j in self._ends.items() if j > 0), default=0)
+
+    def _exists(self, seq: int) -> bool:
+        if not self._n:
+            return seq < self._num
+        end = self._ends.get(seq % self._n)
+        return end is None or seq // self._n < end
+
+    def _total(self) -> int | None:
+        if not self._n:
+            return self._num
+        return sum(self._ends.values()) if len(self._ends) == self._n else None
+
+    def _owner_key(self, seq: int) -> int:
+        return seq % self._n if self._n else seq
 
     def __next__(self) -> Any:
         if self._closed:
@@ -159,7 +188,7 @@ class EpochFetcher:
             item = self._pop_ready()
             if item is not None:
                 return self._finish(item)
-            if self._yielded >= self._num:
+            if self._yielded == self._total():
                 self.close()
                 raise StopIteration
             self._top_up()
@@ -179,7 +208,8 @@ class EpochFetcher:
 
     # ---- internals ------------------------------------------------------------
     def _waiting_for(self, what: str) -> str:
-        missing = [s for s in range(self._num) if s not in self._delivered]
+        missing = (sorted(set(self._requested) | self._retry) if self._n
+                   else [s for s in range(self._num) if s not in self._delivered])
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         return (f"job {self._job_id} consumer {self._consumer} epoch {self._epoch}: {what}; "
                 f"{len(missing)} batches missing (seq {shown}); "
@@ -187,6 +217,9 @@ class EpochFetcher:
 
     def _pop_ready(self) -> tuple[wpb.Batch, memoryview] | None:
         if self._ordered:
+            limit = self._limit()
+            while not self._exists(self._next) and (limit is None or self._next < limit):
+                self._next += 1  # a finished stream's turn: torch skips exhausted workers too
             return self._received.pop(self._next, None)
         if self._received:
             return self._received.pop(next(iter(self._received)))
@@ -218,7 +251,11 @@ class EpochFetcher:
                 self._retry.discard(seq)
                 self._send(seq, address)
                 outstanding += 1
-        while self._cursor < self._num and (outstanding < self._window or self._cursor == urgent):
+        limit = self._limit()
+        while (limit is None or self._cursor < limit) and (outstanding < self._window or self._cursor == urgent):
+            if not self._exists(self._cursor):
+                self._cursor += 1
+                continue
             address = self._route(self._cursor)
             if address is None:
                 break
@@ -227,7 +264,7 @@ class EpochFetcher:
             outstanding += 1
 
     def _route(self, seq: int) -> str | None:
-        address = self._owner.get(seq)
+        address = self._owner.get(self._owner_key(seq))
         if address is not None and address in self._broken:
             if time.monotonic() < self._broken[address]:
                 return None
@@ -240,11 +277,13 @@ class EpochFetcher:
             self._workers_alive = got.response.workers_alive
             self._owner = {}
             for o in got.response.owners:
+                if self._n:
+                    self._owner[o.first_seq] = o.worker_address  # a stream
                 for seq in range(o.first_seq, o.first_seq + o.num_batches):
                     self._owner[seq] = o.worker_address
             # A request to a worker that no longer owns the batch (lost, maybe
             # frozen with its connection still open) will not be answered.
-            self._reroute(lambda seq, address: self._owner.get(seq) != address)
+            self._reroute(lambda seq, address: self._owner.get(self._owner_key(seq)) != address)
             return False
         if isinstance(got, _Failed):
             self.close()
@@ -266,25 +305,38 @@ class EpochFetcher:
             if self._requested.get(seq) == got.address:
                 self._reroute(lambda s, address: s == seq)
             return False
-        if seq in self._delivered or seq >= self._num:
+        if meta.end_of_stream and self._n:
+            stream, end = seq % self._n, seq // self._n
+            self._ends[stream] = min(self._ends.get(stream, end), end)
+            for s in [s for s in (*self._requested, *self._retry) if not self._exists(s)]:
+                self._requested.pop(s, None)
+                self._retry.discard(s)
+            self._advance_low()
+            return True
+        if seq in self._delivered or not self._exists(seq):
             return False  # a duplicate (e.g. re-sent after a reconnect)
         self._requested.pop(seq, None)
         self._retry.discard(seq)
         self._delivered.add(seq)
         self._received[seq] = (meta, payload)
         self._control.ack(seq)
-        while self._low in self._delivered:
+        self._advance_low()
+        return True
+
+    def _advance_low(self) -> None:
+        limit = self._limit()
+        while (self._low in self._delivered or not self._exists(self._low)) and (
+                limit is None or self._low < limit):
             self._low += 1
         self._control.next_seq = self._low
-        return True
 
     def _reroute(self, which: Callable[[int, str], bool]) -> None:
         for seq, address in list(self._requested.items()):
             if which(seq, address):
                 del self._requested[seq]
                 self._retry.add(seq)
-                if self._owner.get(seq) == address:
-                    del self._owner[seq]  # until the dispatcher says who owns it now
+                if self._owner.get(self._owner_key(seq)) == address:
+                    del self._owner[self._owner_key(seq)]  # until the dispatcher says who owns it now
 
     def close(self) -> None:
         if self._closed:

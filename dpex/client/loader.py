@@ -72,6 +72,14 @@ def _pinner() -> Callable[[Any], Any] | None:
     return lambda batch: pin_memory(batch, device)
 
 
+def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
+    """torch's own checks for an IterableDataset, with torch's messages."""
+    for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
+        if value not in (None, False):
+            raise ValueError(f"DataLoader with IterableDataset: expected unspecified {name} option, "
+                             f"but got {name}={value}")
+
+
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
@@ -117,6 +125,9 @@ class RemoteDataLoader:
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
     ``pin_memory`` pins batches in the trainer when an accelerator is present.
+    An IterableDataset is iterated by ``num_workers`` streams, each in a
+    process of its own that sees itself as worker k of ``num_workers``; its
+    batches come round-robin, as from torch's workers.
     """
 
     def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
@@ -126,7 +137,7 @@ class RemoteDataLoader:
                  consumer_index: int = 0, job_name: str | None = None, ordered: bool = True,
                  timeout: float | None = None, *, generator: Any = None, window: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
-                 pin_memory: bool = False, processes: int | None = None,
+                 pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  connect_timeout: float = 30.0) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
@@ -138,8 +149,8 @@ class RemoteDataLoader:
             raise DpexConfigError("timeout must be > 0 seconds, or None to wait as long as it takes")
         if window is not None and window < 1:
             raise DpexConfigError("window must be >= 1")
-        if isinstance(dataset, tud.IterableDataset):
-            raise DpexConfigError("IterableDataset is not supported by RemoteDataLoader")
+        if num_workers < 1:
+            raise DpexConfigError("num_workers must be >= 1")
         self._instance = None if isinstance(dataset, DatasetSpec) else dataset
         spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
         self.num_consumers, self.consumer_index = num_consumers, consumer_index
@@ -160,7 +171,8 @@ class RemoteDataLoader:
             job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
                              collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
                              num_consumers=num_consumers, persistent_workers=persistent_workers,
-                             worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"")
+                             worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
+                             batch_size=batch_size or 0, drop_last=drop_last)
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "
@@ -171,8 +183,19 @@ class RemoteDataLoader:
             self._res.release = lambda: call(
                 stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
                 target=target, timeout_s=5)
-            length = len(dataset) if self._instance is not None else self._dataset_length()
-            if num_consumers > 1 and sampler is None and batch_sampler is None:
+            if self._instance is not None:
+                self._iterable = isinstance(dataset, tud.IterableDataset)
+                length = len(dataset) if hasattr(dataset, "__len__") else -1
+            else:
+                length, self._iterable = self._inspect()
+            self._generator, self._num_streams = generator, num_workers
+            self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
+            if self._iterable:
+                _check_iterable_args(shuffle, sampler, batch_sampler)
+                self._plan = None
+            elif length < 0:
+                raise DpexConfigError("the dataset has no __len__; a map-style dataset needs one")
+            elif num_consumers > 1 and sampler is None and batch_sampler is None:
                 sampler = tud.DistributedSampler(_Indices(length), num_replicas=num_consumers,
                                                  rank=consumer_index, shuffle=shuffle,
                                                  seed=seed if seed is not None else 0)
@@ -180,9 +203,10 @@ class RemoteDataLoader:
             elif shuffle and sampler is None and generator is None and seed is not None:
                 import torch
                 generator = torch.Generator().manual_seed(seed)
-            self._plan = tud.DataLoader(_Indices(length), batch_size=batch_size, shuffle=shuffle,
-                                        sampler=sampler, batch_sampler=batch_sampler,
-                                        drop_last=drop_last, collate_fn=_as_list, generator=generator)
+            if not self._iterable:
+                self._plan = tud.DataLoader(_Indices(length), batch_size=batch_size, shuffle=shuffle,
+                                            sampler=sampler, batch_sampler=batch_sampler,
+                                            drop_last=drop_last, collate_fn=_as_list, generator=generator)
             self._window = window or 4 * max(1, self._workers_alive())
             self._transform = _pinner() if pin_memory else None
         except BaseException:
@@ -191,10 +215,17 @@ class RemoteDataLoader:
 
     # ---- public API ---------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._plan)
+        if not self._iterable:
+            return len(self._plan)
+        if self._length < 0:  # as torch: an IterableDataset's len is the dataset's
+            raise TypeError("the IterableDataset has no __len__")
+        whole, part = divmod(self._length, self._batch_size)
+        return whole if self._drop_last or not part else whole + 1
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
+        if self._plan is None:
+            return
         for s in (self._plan.sampler, self._plan.batch_sampler,
                   getattr(self._plan.batch_sampler, "sampler", None)):
             if hasattr(s, "set_epoch"):
@@ -205,20 +236,24 @@ class RemoteDataLoader:
             raise DpexConfigError("this RemoteDataLoader is closed")
         if self._res.fetcher is not None:
             self._res.fetcher.close()
-        # torch's own iterator draws the epoch's base seed, then runs the sampler.
-        indices = iter(self._plan)
-        base_seed = indices._base_seed
-        plan = [dpb.IndexBatch(indices=b) for b in indices]
+        if self._iterable:  # as torch: a base seed per epoch, no sampler
+            import torch
+            base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
+            plan, streams = [], self._num_streams
+        else:  # torch's own iterator draws the epoch's base seed, then runs the sampler
+            indices = iter(self._plan)
+            base_seed = indices._base_seed
+            plan, streams = [dpb.IndexBatch(indices=b) for b in indices], 0
         epoch = self._epoch_counter
         self._epoch_counter += 1
         self._call(self._res.stub.SubmitPlan, dpb.SubmitPlanRequest(
             job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan,
-            base_seed=base_seed))
+            base_seed=base_seed, num_streams=streams))
         self._res.fetcher = EpochFetcher(
             stub=self._res.stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, transform=self._transform)
+            retry_for_s=self._connect_timeout, transform=self._transform, num_streams=streams)
         return self._res.fetcher
 
     def close(self) -> None:
@@ -240,8 +275,9 @@ class RemoteDataLoader:
         status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
         return sum(1 for w in status.workers if w.state == "alive")
 
-    def _dataset_length(self) -> int:
-        """Asks a worker to build the dataset and report its length."""
+    def _inspect(self) -> tuple[int, bool]:
+        """Asks a worker to build the dataset: its length (-1: none), and
+        whether it is an IterableDataset."""
         deadline = time.monotonic() + self._connect_timeout
         while True:
             status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
@@ -262,9 +298,7 @@ class RemoteDataLoader:
                     continue
                 if response.HasField("error"):
                     raise DpexWorkerError.from_remote(response.error)
-                if response.length < 0:
-                    raise DpexConfigError("the dataset has no __len__; RemoteDataLoader needs a map-style dataset")
-                return response.length
+                return response.length, response.iterable
             if time.monotonic() > deadline:
                 raise DpexConnectionError(
                     f"no worker is registered with {self._target} (waited {self._connect_timeout:g}s)")

@@ -111,7 +111,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 response.splits.add(split_id=split_id, job_id=split.job_id,
                                     consumer_index=split.consumer_index, epoch=split.epoch,
                                     first_seq=split.first_seq, batches=split.batches,
-                                    base_seed=split.base_seed)
+                                    base_seed=split.base_seed, num_streams=split.num_streams)
             self._last_seen[worker.worker_id] = time.monotonic()
         return response
 
@@ -152,7 +152,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def SubmitPlan(self, request, context):
-        digest = plan_hash(request.batches, request.base_seed)
+        if request.num_streams and request.batches:
+            raise DpexConfigError("a plan has either batches or streams, not both")
+        digest = plan_hash(request.batches, request.base_seed) + request.num_streams.to_bytes(4, "little")
         with self._cond:
             job = self._job(request.job_id)
             if request.consumer_index >= job.definition.num_consumers:
@@ -168,7 +170,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches,
-                base_seed=request.base_seed))
+                base_seed=request.base_seed, num_streams=request.num_streams))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method

@@ -32,6 +32,7 @@ class Split:
     first_seq: int
     batches: list[dpb.IndexBatch]
     base_seed: int = 0
+    num_streams: int = 0  # > 0: the stream first_seq of an IterableDataset epoch
     worker_id: str | None = None
     delivered: set[int] = field(default_factory=set)  # seqs
 
@@ -50,6 +51,7 @@ class Plan:
     num_batches: int
     split_ids: list[int]
     num_delivered: int = 0
+    num_streams: int = 0  # > 0: one split per stream, lengths unknown
 
 
 @dataclass
@@ -109,7 +111,14 @@ class DispatcherState:
         if old is not None:
             self._cancel(old)
         size = max(1, u.split_size)
-        plan = Plan(u.epoch, u.plan_hash, size, len(u.batches), [])
+        plan = Plan(u.epoch, u.plan_hash, size, len(u.batches), [], num_streams=u.num_streams)
+        for stream in range(u.num_streams):
+            split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, stream, [],
+                          u.base_seed, num_streams=u.num_streams)
+            self.next_split_id += 1
+            self.splits[split.split_id] = split
+            self.unassigned[u.job_id].add(split.split_id)
+            plan.split_ids.append(split.split_id)
         for first in range(0, len(u.batches), size):
             split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, first,
                           list(u.batches[first:first + size]), u.base_seed)
@@ -153,6 +162,10 @@ class DispatcherState:
         plan = job.plans.get(u.consumer_index)
         if plan is None or plan.epoch != u.epoch:
             return 0
+        if plan.num_streams:  # stream lengths are unknown: count only
+            plan.num_delivered += len(u.seqs)
+            job.batches_delivered += len(u.seqs)
+            return len(u.seqs)
         newly = 0
         for seq in u.seqs:
             if seq >= plan.num_batches:
@@ -221,6 +234,8 @@ class DispatcherState:
 
     def split_at(self, plan: Plan, seq: int) -> Split | None:
         """The live split of a plan that holds batch ``seq``."""
+        if plan.num_streams:
+            return self.splits.get(plan.split_ids[seq % plan.num_streams])
         if seq >= plan.num_batches:
             return None
         return self.splits.get(plan.split_ids[seq // plan.split_size])

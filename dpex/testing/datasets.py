@@ -114,3 +114,39 @@ class Big(Squares):
     def __init__(self) -> None:
         super().__init__(8)
         self.blob = np.ones(6 << 20, dtype=np.uint8)
+
+
+class Counting(torch.utils.data.IterableDataset):
+    """0..n-1, split across workers by get_worker_info() as torch's docs show."""
+
+    def __init__(self, n: int = 50) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        ids = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        for i in ids:
+            yield {"i": i, "worker": -1 if info is None else info.id,
+                   "seed": -1 if info is None else info.seed}
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """An IterableDataset without __len__: 0, 1, 2, ... (stream k of N takes every N-th)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        i = info.id
+        while True:
+            yield i
+            i += info.num_workers
+
+
+class BrokenStream(Counting):
+    def __iter__(self):
+        for item in super().__iter__():
+            if item["i"] == 7:
+                raise ValueError("bad record 7")
+            yield item

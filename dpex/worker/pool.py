@@ -44,6 +44,8 @@ class _Job(NamedTuple):
     collate: Callable[[list], Any]
     worker_init_fn: Callable[[int], None] | None
     persistent: bool
+    batch_size: int
+    drop_last: bool
 
 
 class _Context(NamedTuple):
@@ -58,19 +60,25 @@ _current: tuple | None = None
 
 
 def _init_child(worker_address: str, counter: Any, num_children: int) -> None:
-    global _worker_address, _child_index, _num_children
-    _worker_address = worker_address
+    global _child_index, _num_children
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
     _num_children = num_children
+    init_process(worker_address)
+
+
+def init_process(worker_address: str) -> None:
+    """Set-up of every process that runs user code for a worker."""
+    global _worker_address
+    _worker_address = worker_address
     die_with_parent()  # even if the daemon is SIGKILLed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
 
 
-def _load_job(job_id: int, job_path: str) -> _Job:
+def load_job(job_id: int, job_path: str) -> _Job:
     if job_id in _jobs:
         _jobs.move_to_end(job_id)
         return _jobs[job_id]
@@ -83,7 +91,7 @@ def _load_job(job_id: int, job_path: str) -> _Job:
     spec = cloudpickle.loads(job.dataset)
     _jobs[job_id] = _Job(spec.build(), cloudpickle.loads(job.collate) if job.collate else default_collate,
                          cloudpickle.loads(job.worker_init_fn) if job.worker_init_fn else None,
-                         job.persistent_workers)
+                         job.persistent_workers, job.batch_size, job.drop_last)
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -114,18 +122,27 @@ def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
         np.random.set_state(context.rng[2])
         torch_worker._worker_info = context.info
         return
-    seed = base_seed + _child_index
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(base_seed, _child_index))
-    info = torch_worker.WorkerInfo(id=_child_index, num_workers=_num_children, seed=seed,
-                                   dataset=job.dataset)
-    torch_worker._worker_info = info
-    _contexts[key] = _Context(info, [])
+    _contexts[key] = _Context(become_worker(job, base_seed, _child_index, _num_children), [])
     while len(_contexts) > 4 * _MAX_CACHED_JOBS:
         _contexts.popitem(last=False)
     if job.worker_init_fn is not None:
         job.worker_init_fn(_child_index)
+
+
+def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -> Any:
+    """torch's worker set-up: seeds from ``base_seed + id`` and WorkerInfo."""
+    import random
+
+    import numpy as np
+    import torch
+    from torch.utils.data._utils import worker as torch_worker
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+    info = torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=job.dataset)
+    torch_worker._worker_info = info
+    return info
 
 
 def produce(task: Task) -> bytes:
@@ -136,7 +153,7 @@ def produce(task: Task) -> bytes:
                      epoch=task.epoch, seq=task.seq)
     stage, index = "build", -1
     try:
-        job = _load_job(task.job_id, task.job_path)
+        job = load_job(task.job_id, task.job_path)
         stage = "worker_init_fn"
         _enter(task.job_id, task.epoch, task.base_seed, job)
         stage, samples = "getitem", []
@@ -147,12 +164,12 @@ def produce(task: Task) -> bytes:
         stage = "encode"
         parts = encode_parts(batch)
     except Exception as e:
-        meta.error.CopyFrom(_remote_error(e, stage, index))
+        meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
     return b"".join(frame_parts(meta, parts))
 
 
-def _remote_error(e: BaseException, stage: str, index: int = -1):
+def remote_error(e: BaseException, stage: str, index: int = -1):
     from dpex.proto import worker_pb2 as wpb
     return wpb.RemoteError(
         type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
@@ -164,11 +181,13 @@ def inspect(job_id: int, job_path: str) -> bytes:
     """Runs in a child: builds the dataset and reports its length."""
     from dpex.proto import worker_pb2 as wpb
     try:
-        dataset = _load_job(job_id, job_path).dataset
+        from torch.utils.data import IterableDataset
+        dataset = load_job(job_id, job_path).dataset
         length = len(dataset) if hasattr(dataset, "__len__") else -1
-        return wpb.InspectResponse(length=length).SerializeToString()
+        return wpb.InspectResponse(length=length, iterable=isinstance(dataset, IterableDataset)
+                                   ).SerializeToString()
     except Exception as e:
-        return wpb.InspectResponse(length=-1, error=_remote_error(e, "build")).SerializeToString()
+        return wpb.InspectResponse(length=-1, error=remote_error(e, "build")).SerializeToString()
 
 
 def _warm_up() -> int:

@@ -19,6 +19,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
 from dpex.worker.pool import BatchPool, Task, crash_frame, produce
+from dpex.worker.stream import StreamRunner
 
 log = logging.getLogger("dpex.worker")
 
@@ -63,14 +64,34 @@ class Scheduler:
         self._ready: dict[Key, bytes] = {}
         self._waiters: dict[Key, list[Sink]] = {}
         self._unknown_since: dict[Key, float] = {}      # requested before its split arrived
+        # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
+        self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
 
     # ---- splits from the dispatcher --------------------------------------------
+    def _stream_of(self, key: Key) -> tuple[StreamRunner | None, int]:
+        n, runners = self._streams.get((key.job_id, key.consumer_index, key.epoch), (0, {}))
+        return (runners.get(key.seq % n), key.seq // n) if n else (None, 0)
+
+    def _add_stream(self, split: dpb.Split) -> None:
+        runner = StreamRunner(split, self._job_path(split.job_id), self._address, self._buffer)
+        group = (split.job_id, split.consumer_index, split.epoch)
+        self._streams.setdefault(group, (split.num_streams, {}))[1][split.first_seq] = runner
+        self._splits[split.split_id] = _Split(split)  # nothing to produce here: no capacity used
+        for key in [k for k in self._waiters if (k.job_id, k.consumer_index, k.epoch) == group
+                    and k.seq % split.num_streams == split.first_seq]:
+            self._unknown_since.pop(key, None)
+            for sink in self._waiters.pop(key):
+                runner.request(key.seq // split.num_streams, sink)
+
     def add_split(self, split: dpb.Split) -> None:
         with self._cond:
             if split.split_id in self._splits:
+                return
+            if split.num_streams:
+                self._add_stream(split)
                 return
             entry = _Split(split)
             for i in range(len(split.batches)):
@@ -86,12 +107,20 @@ class Scheduler:
             self._cond.notify_all()
 
     def release(self, split_ids) -> None:
+        runners = []
         with self._cond:
             for split_id in split_ids:
                 entry = self._splits.pop(split_id, None)
                 if entry is None:
                     continue
                 split = entry.split
+                if split.num_streams:
+                    group = (split.job_id, split.consumer_index, split.epoch)
+                    _, by_stream = self._streams.get(group, (0, {}))
+                    runners.append(by_stream.pop(split.first_seq, None))
+                    if not by_stream:
+                        self._streams.pop(group, None)
+                    continue
                 for i in range(len(split.batches)):
                     key = Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
                     self._where.pop(key, None)
@@ -100,6 +129,9 @@ class Scheduler:
                     for sink in self._waiters.pop(key, []):
                         sink(not_assigned_frame(key))
             self._cond.notify_all()
+        for runner in runners:  # outside the lock: a stream process may take a moment to stop
+            if runner is not None:
+                runner.close()
 
     def release_all(self) -> None:
         self.release(list(self._splits))
@@ -123,6 +155,10 @@ class Scheduler:
     # ---- requests from trainers ----------------------------------------------------
     def request(self, key: Key, sink: Sink) -> None:
         with self._cond:
+            runner, j = self._stream_of(key)
+            if runner is not None:
+                runner.request(j, sink)
+                return
             frame = self._ready.pop(key, None)
             if frame is not None:
                 sink(frame)
@@ -142,6 +178,9 @@ class Scheduler:
     def cancel(self, sink: Sink) -> None:
         """Forgets a closed stream's outstanding requests."""
         with self._cond:
+            for _, runners in self._streams.values():
+                for runner in runners.values():
+                    runner.cancel(sink)
             for key in [k for k, sinks in self._waiters.items() if sink in sinks]:
                 sinks = [s for s in self._waiters[key] if s != sink]
                 if sinks:
@@ -215,5 +254,9 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            runners = [r for _, rs in self._streams.values() for r in rs.values()]
+            self._streams.clear()
+        for runner in runners:
+            runner.close()
         if self._thread.is_alive():
             self._thread.join()

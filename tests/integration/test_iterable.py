@@ -1,0 +1,69 @@
+"""IterableDataset on Dpex workers: each stream is torch's worker k of N,
+batches come round-robin as from torch's workers, with no duplicates."""
+import itertools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import dpex
+from dpex import DpexDataLoader
+from dpex.testing.datasets import BrokenStream, Counting, Endless
+
+
+def items(loader):
+    return [b["i"].tolist() for b in loader]
+
+
+@pytest.mark.parametrize("num_workers,batch_size,drop_last", [(1, 8, False), (2, 4, False), (3, 5, True)])
+def test_same_batches_in_the_same_order_as_torch(cluster, num_workers, batch_size, drop_last):
+    kw = dict(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    theirs = items(DataLoader(Counting(50), **kw))
+    with DpexDataLoader(Counting(50), distribute_mode=True, head_address=cluster.address, **kw) as dl:
+        assert len(dl) == len(DataLoader(Counting(50), **kw))
+        for _ in range(2):
+            assert items(dl) == theirs
+    flat = [i for b in theirs for i in b]
+    assert len(flat) == len(set(flat))  # no duplicates
+
+
+def test_each_stream_is_a_torch_worker(cluster):
+    g = torch.Generator().manual_seed(2)
+    base = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(2)).item()
+    with DpexDataLoader(Counting(30), distribute_mode=True, head_address=cluster.address, batch_size=3,
+                        num_workers=3, generator=g) as dl:
+        for b in dl:
+            worker = b["worker"].tolist()
+            assert worker == [i % 3 for i in b["i"].tolist()] and len(set(worker)) == 1
+            assert b["seed"].tolist() == [base + worker[0]] * len(worker)
+
+
+def test_a_dataset_spec_and_unordered_delivery(cluster):
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Counting", n=40)
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=4, num_workers=2, ordered=False,
+                               timeout=60) as dl:
+        got = sorted(i for b in dl for i in b["i"].tolist())
+    assert got == list(range(40))
+
+
+def test_a_dataset_without_len_and_an_early_break(cluster):
+    with DpexDataLoader(Endless(), distribute_mode=True, head_address=cluster.address, batch_size=2,
+                        num_workers=2) as dl:
+        with pytest.raises(TypeError):
+            len(dl)
+        first = [b.tolist() for b in itertools.islice(dl, 5)]
+        assert first == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10]]
+        assert [b.tolist() for b in itertools.islice(dl, 2)] == [[0, 2], [1, 3]]  # a new epoch
+
+
+def test_an_error_while_iterating(cluster):
+    with DpexDataLoader(BrokenStream(20), distribute_mode=True, head_address=cluster.address,
+                        batch_size=2, num_workers=1) as dl:
+        with pytest.raises(dpex.DpexWorkerError, match="ValueError: bad record 7 \\(raised while iterating"):
+            items(dl)
+
+
+@pytest.mark.parametrize("arg", [dict(shuffle=True), dict(sampler=[1, 2])])
+def test_torchs_argument_checks(cluster, arg):
+    with pytest.raises(ValueError, match="DataLoader with IterableDataset: expected unspecified"):
+        DpexDataLoader(Counting(10), distribute_mode=True, head_address=cluster.address, **arg)
