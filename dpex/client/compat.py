@@ -52,16 +52,20 @@ class DpexDataLoader:
                               multiprocessing_context=multiprocessing_context, generator=generator,
                               prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                               pin_memory_device=pin_memory_device, in_order=in_order, **kwargs)
-        return super().__new__(cls)
+        self = super().__new__(cls)
+        self._start(dataset, head_address, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                    collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
+                    generator, prefetch_factor, persistent_workers, in_order, pin_memory_device, kwargs)
+        return self
 
-    def __init__(self, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
-                 batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
-                 batch_sampler: Any = None, num_workers: int = 0,
-                 collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
-                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
-                 multiprocessing_context: Any = None, generator: Any = None, *,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 in_order: bool = True, pin_memory_device: str = "", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Everything is done in __new__, which may return torch's DataLoader instead."""
+
+    def _start(self, dataset: Any, head_address: str | None, batch_size: int | None, shuffle: bool | None,
+               sampler: Any, batch_sampler: Any, num_workers: int, collate_fn: Any, pin_memory: bool,
+               drop_last: bool, timeout: float, worker_init_fn: Any, multiprocessing_context: Any,
+               generator: Any, prefetch_factor: int | None, persistent_workers: bool, in_order: bool,
+               pin_memory_device: str, kwargs: dict[str, Any]) -> None:
         if kwargs:
             raise TypeError(f"DpexDataLoader got unexpected arguments: {', '.join(kwargs)}")
         if num_workers < 0:
