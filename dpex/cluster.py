@@ -53,7 +53,7 @@ class LocalCluster:
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
-                 split_size_batches: int = 4, buffer_batches: int = 8,
+                 split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
@@ -74,11 +74,12 @@ class LocalCluster:
         self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._lock, self.workers,
                                            self._dispatcher_box, self._tmp)
         try:
-            self.dispatcher = self._start("dispatcher", [
-                "dpex.cmd.dispatcher", "--host", host, "--port", "0",
+            self._dispatcher_args = [
+                "dpex.cmd.dispatcher", "--host", host,
                 "--heartbeat-interval", str(heartbeat_interval_s),
                 "--heartbeat-timeout", str(heartbeat_timeout_s),
-                "--split-size", str(split_size_batches)])
+                "--split-size", str(split_size_batches)] + (["--work-dir", work_dir] if work_dir else [])
+            self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
             self._dispatcher_box[0] = self.dispatcher
             self.address = self.dispatcher.address
             self.add_workers(num_workers)
@@ -135,6 +136,16 @@ class LocalCluster:
         daemon.process.send_signal(sig)
         daemon.process.wait()
         return daemon
+
+    def restart_dispatcher(self, sig: int = signal.SIGKILL) -> Daemon:
+        """Kills the dispatcher (default SIGKILL) and starts it again on the
+        same port (and work dir, if any); workers and trainers reconnect."""
+        self.dispatcher.process.send_signal(sig)
+        self.dispatcher.process.wait()
+        port = self.address.rsplit(":", 1)[1]
+        self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", port])
+        self._dispatcher_box[0] = self.dispatcher
+        return self.dispatcher
 
     @property
     def worker_addresses(self) -> list[str]:

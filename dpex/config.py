@@ -18,6 +18,7 @@ class DispatcherConfig:
     heartbeat_interval_s: float = 1.0    # workers heartbeat this often (long-poll length)
     heartbeat_timeout_s: float = 10.0    # a worker silent this long is lost
     split_size_batches: int = 4          # batches per split (the unit of assignment)
+    work_dir: str | None = None          # the journal's directory; None: state in memory only
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")

@@ -13,6 +13,9 @@ from dpex.errors import DpexError
               help="Port to listen on (0 picks a free one).")
 @click.option("--host", default="0.0.0.0", envvar="DPEX_HOST", show_envvar=True,
               help="Address to bind.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, envvar="DPEX_WORK_DIR",
+              show_envvar=True, help="Directory of the journal: every state change is written (fsync'd) "
+              "there first and replayed on start. Without it, state is in memory only.")
 @click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds between worker heartbeats (the long-poll length).")
 @click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
@@ -21,11 +24,12 @@ from dpex.errors import DpexError
               help="Batches per split, the unit of work handed to a worker.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
-def main(port: int, host: str, heartbeat_interval: float,
+def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
          heartbeat_timeout: float, split_size: int, log_level: str, ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
-    the trainers' epoch plans and hands splits of them to workers. Its state
-    is in memory: a restart loses jobs and plans (workers re-register).
+    the trainers' epoch plans and hands splits of them to workers. With
+    --work-dir it journals every change and a restart resumes where it was;
+    without, a restart loses jobs and plans (workers re-register).
 
     \b
     Example:
@@ -36,7 +40,8 @@ def main(port: int, host: str, heartbeat_interval: float,
     from dpex.dispatcher.server import DispatcherServer
     try:
         config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
-                                  heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size)
+                                  heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
+                                  work_dir=work_dir)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

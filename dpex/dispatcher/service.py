@@ -11,6 +11,7 @@ import time
 import grpc
 
 from dpex.config import DispatcherConfig
+from dpex.dispatcher.journal import Journal
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.errors import DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -43,6 +44,17 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._state = DispatcherState()
         self._cond = threading.Condition()
         self._last_seen: dict[str, float] = {}
+        self._journal = Journal(config.work_dir) if config.work_dir else None
+        if self._journal is not None:
+            count = 0
+            for update in self._journal.replay():
+                self._state.apply(update)
+                count += 1
+            # Replayed workers get a whole timeout to heartbeat again.
+            now = time.monotonic()
+            self._last_seen = {w.worker_id: now for w in self._state.alive_workers()}
+            log.info("replayed %d journal records from %s: %d workers, %d jobs", count,
+                     self._journal.path, len(self._state.alive_workers()), len(self._state.jobs))
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="dpex-reaper", daemon=True)
         self._reaper.start()
@@ -53,10 +65,16 @@ class DispatcherService(dgrpc.DispatcherServicer):
             self._cond.notify_all()
         if self._reaper.is_alive() and self._reaper is not threading.current_thread():
             self._reaper.join()
+        if self._journal is not None:
+            with self._cond:
+                self._journal.close()
 
     def _apply(self, **kind) -> object:
-        """Applies one update; the caller holds self._cond."""
-        result = self._state.apply(jpb.Update(**kind))
+        """Journals one update, then applies it; the caller holds self._cond."""
+        update = jpb.Update(**kind)
+        if self._journal is not None:
+            self._journal.append(update)  # durable before it takes effect
+        result = self._state.apply(update)
         self._cond.notify_all()
         return result
 
@@ -99,9 +117,10 @@ class DispatcherService(dgrpc.DispatcherServicer):
             # milliseconds. Every split assigned to the worker that it does not
             # hold yet is sent, so a lost response loses no assignment.
             while worker.alive and not self._stop.is_set() and context.is_active():
-                if request.want_splits > 0:
-                    self._apply(assign_splits=jpb.AssignSplits(
-                        worker_id=worker.worker_id, max_splits=request.want_splits))
+                chosen = self._state.choose_splits(worker.worker_id, request.want_splits)
+                if chosen:
+                    self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
+                                                               split_ids=chosen))
                 remaining = deadline - time.monotonic()
                 if worker.held - held or remaining <= 0:
                     break
@@ -142,7 +161,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def _job(self, job_id: int):
         job = self._state.jobs.get(job_id)
         if job is None:
-            raise DpexNotFoundError(f"unknown job {job_id}")
+            hint = "" if self._journal else " (a dispatcher restarted without --work-dir forgets its jobs)"
+            raise DpexNotFoundError(f"unknown job {job_id}{hint}")
         return job
 
     @servicer_method
@@ -167,6 +187,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         f"consumer {request.consumer_index} planned {len(request.batches)} batches for "
                         f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
                         "every consumer must get the same number of batches (DDP ranks would hang)")
+            same = self._state.plan(request.job_id, request.consumer_index, request.epoch)
+            if same is not None and same.plan_hash == digest:  # a reconnect: nothing changes
+                return dpb.SubmitPlanResponse(num_batches=same.num_batches, num_delivered=same.num_delivered)
             plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches,
@@ -193,7 +216,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             target = self._state.least_loaded_worker()
             if waited is not None and waited.worker_id is None and target is not None:
                 self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id,
-                                                           split_id=waited.split_id))
+                                                           split_ids=[waited.split_id]))
             # Long-poll until the owners change, so the trainer learns of a
             # new assignment at once without polling.
             while True:

@@ -134,27 +134,12 @@ class DispatcherState:
         worker = self.workers.get(u.worker_id)
         if worker is None or not worker.alive:
             return []
-        if u.split_id:
-            split = self.splits.get(u.split_id)
-            if split is None or split.worker_id is not None:
-                return []
-            self._assign(split, worker)
-            return [split.split_id]
-        assigned: list[int] = []
-        for _ in range(u.max_splits):
-            best: tuple | None = None
-            for job_id, pool in self.unassigned.items():
-                if not pool:
-                    continue
-                held_here = sum(1 for s in worker.held if self.splits[s].job_id == job_id)
-                split_id = min(pool, key=lambda s: self.splits[s].key)
-                rank = (held_here, *self.splits[split_id].key, job_id)
-                if best is None or rank < best[0]:
-                    best = (rank, job_id, split_id)
-            if best is None:
-                break
-            self._assign(self.splits[best[2]], worker)
-            assigned.append(best[2])
+        assigned = []
+        for split_id in u.split_ids:
+            split = self.splits.get(split_id)
+            if split is not None and split.worker_id is None:
+                self._assign(split, worker)
+                assigned.append(split_id)
         return assigned
 
     def _apply_mark_delivered(self, u: jpb.MarkDelivered) -> int:
@@ -231,6 +216,26 @@ class DispatcherState:
             if split is not None and split.worker_id is not None:
                 out.append((split, self.workers[split.worker_id]))
         return out
+
+    def choose_splits(self, worker_id: str, max_splits: int) -> list[int]:
+        """The splits a worker asking for ``max_splits`` should get: the lowest
+        unassigned ones, preferring jobs of which it holds the fewest."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return []
+        held = {job_id: 0 for job_id in self.unassigned}
+        for split_id in worker.held:
+            held[self.splits[split_id].job_id] += 1
+        pools = {job_id: sorted(pool, key=lambda s: self.splits[s].key)
+                 for job_id, pool in self.unassigned.items() if pool}
+        chosen: list[int] = []
+        while len(chosen) < max_splits and pools:
+            job_id = min(pools, key=lambda j: (held[j], *self.splits[pools[j][0]].key, j))
+            chosen.append(pools[job_id].pop(0))
+            held[job_id] += 1
+            if not pools[job_id]:
+                del pools[job_id]
+        return chosen
 
     def split_at(self, plan: Plan, seq: int) -> Split | None:
         """The live split of a plan that holds batch ``seq``."""

@@ -24,7 +24,8 @@ def submit(state, n, job_id=7, consumer=0, epoch=0, split=2, digest=b"h"):
 
 
 def assign(state, worker_id, n=1):
-    return state.apply(jpb.Update(assign_splits=jpb.AssignSplits(worker_id=worker_id, max_splits=n)))
+    chosen = state.choose_splits(worker_id, n)
+    return state.apply(jpb.Update(assign_splits=jpb.AssignSplits(worker_id=worker_id, split_ids=chosen)))
 
 
 def deliver(state, seqs, job_id=7, consumer=0, epoch=0):

@@ -1,0 +1,40 @@
+"""kill -9 of the dispatcher mid-epoch: with --work-dir it replays its journal
+and the epoch completes exactly once; without, trainers get a clear error."""
+import subprocess
+import sys
+import os
+
+import pytest
+
+import dpex
+from dpex.testing import test_cluster
+
+N, B = 200, 4
+EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
+SPEC = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=N, delay_s=0.005)
+
+
+def test_restart_with_work_dir_completes_the_epoch_exactly_once(tmp_path):
+    with test_cluster(num_workers=2, work_dir=str(tmp_path)) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, timeout=60, job_name="survivor") as dl:
+            for epoch in range(2):
+                got = []
+                for i, batch in enumerate(dl):
+                    got.append(batch["y"].tolist())
+                    if epoch == 0 and i in (10, 30):  # twice, the second time after the first restart
+                        c.restart_dispatcher()
+                assert got == EXPECTED
+        status = subprocess.run([os.path.join(os.path.dirname(sys.executable), "dpex"), "status",
+                                 "--dispatcher", c.address], capture_output=True, text=True)
+        job = next(line.split() for line in status.stdout.splitlines() if "survivor" in line)
+        assert job[3:5] == [str(2 * len(EXPECTED))] * 2  # planned == delivered, over both epochs
+        assert status.stdout.splitlines()[0] == "WORKERS (2 alive)"
+
+
+def test_restart_without_work_dir_fails_clearly(tmp_path):
+    with test_cluster(num_workers=1) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, timeout=60) as dl:
+            with pytest.raises(dpex.DpexNotFoundError, match="restarted without --work-dir"):
+                for i, _ in enumerate(dl):
+                    if i == 5:
+                        c.restart_dispatcher()
