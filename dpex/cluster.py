@@ -54,6 +54,7 @@ class LocalCluster:
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
                  split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
+                 consumer_timeout_s: float = 60.0,
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
@@ -78,7 +79,8 @@ class LocalCluster:
                 "dpex.cmd.dispatcher", "--host", host,
                 "--heartbeat-interval", str(heartbeat_interval_s),
                 "--heartbeat-timeout", str(heartbeat_timeout_s),
-                "--split-size", str(split_size_batches)] + (["--work-dir", work_dir] if work_dir else [])
+                "--split-size", str(split_size_batches), "--consumer-timeout", str(consumer_timeout_s),
+            ] + (["--work-dir", work_dir] if work_dir else [])
             self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
             self._dispatcher_box[0] = self.dispatcher
             self.address = self.dispatcher.address
@@ -115,8 +117,8 @@ class LocalCluster:
     def _start(self, name: str, args: list[str]) -> Daemon:
         return self._await(name, *self._spawn(name, args))
 
-    def _worker_args(self) -> list[str]:
-        return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", "0",
+    def _worker_args(self, port: int | str = 0) -> list[str]:
+        return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
                 "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
                 "--heartbeat-interval", str(self._hb[0])]
 
@@ -136,6 +138,15 @@ class LocalCluster:
         daemon.process.send_signal(sig)
         daemon.process.wait()
         return daemon
+
+    def restart_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
+        """Kills worker ``index`` and starts a new one on the same address."""
+        old = self.kill_worker(index, sig)
+        port = old.address.rsplit(":", 1)[1]
+        new = self._start("worker", self._worker_args(port))
+        with self._lock:
+            self.workers[index] = new
+        return new
 
     def restart_dispatcher(self, sig: int = signal.SIGKILL) -> Daemon:
         """Kills the dispatcher (default SIGKILL) and starts it again on the

@@ -19,6 +19,7 @@ class DispatcherConfig:
     heartbeat_timeout_s: float = 10.0    # a worker silent this long is lost
     split_size_batches: int = 4          # batches per split (the unit of assignment)
     work_dir: str | None = None          # the journal's directory; None: state in memory only
+    consumer_timeout_s: float = 60.0     # a trainer silent this long mid-epoch is released
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -26,6 +27,7 @@ class DispatcherConfig:
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s must exceed heartbeat_interval_s")
         _check(self.split_size_batches >= 1, "split_size_batches must be >= 1")
+        _check(self.consumer_timeout_s > 1.0, "consumer_timeout_s must exceed 1 s (trainers sync every second)")
 
 
 @dataclass(frozen=True)

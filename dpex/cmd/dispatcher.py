@@ -20,12 +20,16 @@ from dpex.errors import DpexError
               show_envvar=True, help="Seconds between worker heartbeats (the long-poll length).")
 @click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
               show_envvar=True, help="Seconds of silence after which a worker is lost.")
+@click.option("--consumer-timeout", type=float, default=60.0, envvar="DPEX_CONSUMER_TIMEOUT",
+              show_envvar=True, help="Seconds without news from a trainer mid-epoch after which its plan "
+              "is released and workers free what they hold for it.")
 @click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
-         heartbeat_timeout: float, split_size: int, log_level: str, ready_file: str | None) -> None:
+         heartbeat_timeout: float, consumer_timeout: float, split_size: int, log_level: str,
+         ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
     the trainers' epoch plans and hands splits of them to workers. With
     --work-dir it journals every change and a restart resumes where it was;
@@ -41,7 +45,7 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
     try:
         config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
                                   heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
-                                  work_dir=work_dir)
+                                  work_dir=work_dir, consumer_timeout_s=consumer_timeout)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

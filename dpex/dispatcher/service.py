@@ -44,6 +44,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._state = DispatcherState()
         self._cond = threading.Condition()
         self._last_seen: dict[str, float] = {}
+        self._consumer_seen: dict[tuple[int, int], float] = {}  # (job, consumer) -> last sync
         self._journal = Journal(config.work_dir) if config.work_dir else None
         if self._journal is not None:
             count = 0
@@ -53,6 +54,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             # Replayed workers get a whole timeout to heartbeat again.
             now = time.monotonic()
             self._last_seen = {w.worker_id: now for w in self._state.alive_workers()}
+            self._consumer_seen = {(job.job_id, c): now for job in self._state.jobs.values() for c in job.plans}
             log.info("replayed %d journal records from %s: %d workers, %d jobs", count,
                      self._journal.path, len(self._state.alive_workers()), len(self._state.jobs))
         self._stop = threading.Event()
@@ -79,6 +81,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         return result
 
     def _reap(self) -> None:
+        """Marks silent workers lost and releases silent consumers."""
         period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4)
         while not self._stop.wait(period):
             now = time.monotonic()
@@ -89,6 +92,15 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         log.warning("worker %s at %s missed its heartbeat timeout (%.1fs); marking it lost",
                                     worker.worker_id, worker.address, self._config.heartbeat_timeout_s)
                         self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
+                for (job_id, consumer), seen in list(self._consumer_seen.items()):
+                    if now - seen > self._config.consumer_timeout_s:
+                        del self._consumer_seen[(job_id, consumer)]
+                        if self._state.has_live_plan(job_id, consumer):
+                            log.warning("consumer %d of job %d has not synced for %.0fs; releasing its "
+                                        "plan (its workers drop what they hold for it)",
+                                        consumer, job_id, self._config.consumer_timeout_s)
+                            self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
+                                                                             consumer_index=consumer))
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
@@ -187,6 +199,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         f"consumer {request.consumer_index} planned {len(request.batches)} batches for "
                         f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
                         "every consumer must get the same number of batches (DDP ranks would hang)")
+            self._consumer_seen[(request.job_id, request.consumer_index)] = time.monotonic()
             same = self._state.plan(request.job_id, request.consumer_index, request.epoch)
             if same is not None and same.plan_hash == digest:  # a reconnect: nothing changes
                 return dpb.SubmitPlanResponse(num_batches=same.num_batches, num_delivered=same.num_delivered)
@@ -206,6 +219,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 raise DpexNotFoundError(
                     f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                     f"epoch {request.epoch} (another trainer may have replaced it)")
+            self._consumer_seen[(request.job_id, request.consumer_index)] = time.monotonic()
             if request.delivered_seqs:
                 self._apply(mark_delivered=jpb.MarkDelivered(
                     job_id=request.job_id, consumer_index=request.consumer_index,
@@ -239,6 +253,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def ReleaseConsumer(self, request, context):
         with self._cond:
+            self._consumer_seen.pop((request.job_id, request.consumer_index), None)
             if request.job_id in self._state.jobs:
                 self._apply(release_consumer=jpb.ReleaseConsumer(
                     job_id=request.job_id, consumer_index=request.consumer_index))

@@ -217,6 +217,12 @@ class DispatcherState:
                 out.append((split, self.workers[split.worker_id]))
         return out
 
+    def has_live_plan(self, job_id: int, consumer_index: int) -> bool:
+        """Whether the consumer's newest plan still has splits not delivered."""
+        job = self.jobs.get(job_id)
+        plan = job.plans.get(consumer_index) if job else None
+        return plan is not None and any(s in self.splits for s in plan.split_ids)
+
     def choose_splits(self, worker_id: str, max_splits: int) -> list[int]:
         """The splits a worker asking for ``max_splits`` should get: the lowest
         unassigned ones, preferring jobs of which it holds the fewest."""

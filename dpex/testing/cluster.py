@@ -13,6 +13,7 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
     kwargs.setdefault("heartbeat_interval_s", 0.2)
     kwargs.setdefault("heartbeat_timeout_s", 1.5)
     kwargs.setdefault("split_size_batches", 2)
+    kwargs.setdefault("consumer_timeout_s", 3.0)
     return LocalCluster(num_workers=num_workers, processes=processes, **kwargs)
 
 
