@@ -150,3 +150,21 @@ class BrokenStream(Counting):
             if item["i"] == 7:
                 raise ValueError("bad record 7")
             yield item
+
+
+class NodeFiles(Dataset):
+    """Reads sample i from ``$DPEX_NODE_DATA/i.txt``: each node has its own copy,
+    and the file names the node it lives on, so a sample says who read it."""
+
+    def __init__(self, n: int = 200, delay_s: float = 0.0) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import time
+        with open(os.path.join(os.environ["DPEX_NODE_DATA"], f"{i}.txt")) as f:
+            node, index = f.read().split(":")
+        time.sleep(self.delay_s)
+        return {"i": int(index), "node": node}
