@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 PROTOS := $(wildcard protos/dpex/v1/*.proto)
 
-.PHONY: setup proto demo test test-unit test-integration bench clean
+.PHONY: setup proto demo test test-unit test-integration test-docker bench clean
 
 setup: $(VENV)/.installed proto
 
@@ -38,6 +38,11 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration
+
+# Root only: installs Debian's docker.io, starts dockerd, builds the images,
+# runs docker/docker-compose.yml and kills a worker container mid-epoch.
+test-docker: setup
+	docker/test.sh
 
 bench: setup
 	$(PY) benchmarks/overhead.py

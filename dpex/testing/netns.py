@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dpex.testing.cluster import wait_until
+from dpex.testing.nodes import write_node_data
 
 SUBNET = "10.77.0"
 DISPATCHER_PORT = 7070
@@ -127,10 +128,7 @@ class NetnsCluster:
         node = f"worker{sum(n.startswith('worker') for n in self.nodes) + 1}"
         ip = self.add_node(node)
         data = os.path.join(self.dir, "data", node)  # this node's own copy of the dataset
-        os.makedirs(data)
-        for i in range(self.samples):
-            with open(os.path.join(data, f"{i}.txt"), "w") as f:
-                f.write(f"{node}:{i}")
+        write_node_data(data, node, self.samples)
         ready = os.path.join(self.dir, f"{node}.ready")
         self.procs[node] = self._spawn(node, [
             "-m", "dpex.cmd.worker", "--dispatcher", self.address, "--host", ip, "--port", "7071",
@@ -143,12 +141,12 @@ class NetnsCluster:
         self.procs[node].send_signal(signal.SIGKILL)
         self.procs[node].wait()
 
-    def run_trainer(self, script: str, *args: str) -> subprocess.Popen:
-        """Starts a trainer script in the trainer's namespace (no DPEX_NODE_DATA there)."""
+    def run_trainer(self, epochs: int, delay_s: float) -> subprocess.Popen:
+        """Starts dpex.testing.nodes' trainer in the trainer's namespace (no data there)."""
         env = {k: v for k, v in os.environ.items() if k != "DPEX_NODE_DATA"}
-        return subprocess.Popen(["ip", "netns", "exec", self.ns("trainer"), sys.executable, script,
-                                 self.address, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)
+        return subprocess.Popen(["ip", "netns", "exec", self.ns("trainer"), sys.executable, "-m",
+                                 "dpex.testing.nodes", "train", self.address, str(self.samples), str(epochs),
+                                 str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     # ---- teardown -------------------------------------------------------------------
     def close(self) -> None:

@@ -39,3 +39,20 @@ def test_a_worker_that_joins_mid_epoch_takes_work_at_once():
                     c.add_workers(1)
             assert ids == list(range(400))
             assert set(pids) - set(pids[:6]), "the new worker produced no batch"
+
+
+def test_a_worker_restarted_on_the_same_address_rejoins_cleanly():
+    with test_cluster(num_workers=2) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Where", n=240)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=60) as dl:
+            for epoch in range(2):
+                ids, pids = [], set()
+                for i, batch in enumerate(dl):
+                    ids += batch["i"].tolist()
+                    pids |= set(batch["pid"].tolist())
+                    if epoch == 0 and i == 10:
+                        old = c.workers[0].address
+                        assert c.restart_worker(0).address == old
+                assert ids == list(range(240))
+        restarted = c.workers[0]
+        assert restarted.process.poll() is None
