@@ -3,6 +3,7 @@ the middle of the first epoch, and checks that every batch arrived exactly
 once and in order, each sample read by a worker from its own volume."""
 import json
 import os
+import secrets
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ from dpex.testing.nodes import check  # noqa: E402
 
 SAMPLES = 400
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {**os.environ, "DPEX_IMAGE": "dpex:test", "DPEX_SAMPLES": str(SAMPLES), "COMPOSE_PROJECT_NAME": "dpextest"}
+ENV = {**os.environ, "DPEX_IMAGE": "dpex:test", "DPEX_SAMPLES": str(SAMPLES), "COMPOSE_PROJECT_NAME": "dpextest",
+       "DPEX_AUTH_TOKEN": secrets.token_hex(16)}
 COMPOSE = ["docker-compose", "-f", os.path.join(HERE, "docker-compose.yml")]
 
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     "LocalCluster": "dpex.cluster",
     "DatasetSpec": "dpex.dataset",
     **{name: "dpex.errors" for name in (
-        "DpexError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
+        "DpexError", "DpexAuthError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
         "DpexNotFoundError", "DpexTimeoutError", "DpexWireError", "DpexWorkerError")},
 }
 
@@ -39,6 +39,6 @@ if TYPE_CHECKING:
     from dpex.client.loader import RemoteDataLoader
     from dpex.cluster import LocalCluster
     from dpex.dataset import DatasetSpec
-    from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConflictError,
+    from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,
                              DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,
                              DpexWireError, DpexWorkerError)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpex.errors import DpexConfigError, DpexError
+from dpex.auth import TOKEN_ENV
 from dpex.procutil import PARENT_ENV
 
 
@@ -54,7 +55,7 @@ class LocalCluster:
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
                  split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
-                 consumer_timeout_s: float = 60.0,
+                 consumer_timeout_s: float = 60.0, auth_token: str | None = None,
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
@@ -65,6 +66,8 @@ class LocalCluster:
         self._start_timeout_s = start_timeout_s
         # The daemons set their parent-death signal themselves (dpex.procutil).
         self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
+        if auth_token:  # through the environment: a command line is visible to every user
+            self._env[TOKEN_ENV] = auth_token
         self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
         self.log_dir = self._tmp.name
         self._lock = threading.Lock()

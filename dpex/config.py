@@ -1,7 +1,7 @@
 """Frozen, validated configuration of the daemons. Units are in the names."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpex.errors import DpexConfigError
 
@@ -20,6 +20,8 @@ class DispatcherConfig:
     split_size_batches: int = 4          # batches per split (the unit of assignment)
     work_dir: str | None = None          # the journal's directory; None: state in memory only
     consumer_timeout_s: float = 60.0     # a trainer silent this long mid-epoch is released
+    auth_token: str | None = field(default=None, repr=False)  # None: no token checked
+    allow_unauthenticated: bool = False  # without a token: accept jobs from non-loopback peers too
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -41,6 +43,8 @@ class WorkerConfig:
     max_held_splits: int = 4             # splits taken from the dispatcher at once
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
+    auth_token: str | None = field(default=None, repr=False)  # None: no token checked or sent
+    allow_unauthenticated: bool = False  # without a token: run jobs of a non-loopback dispatcher
 
     def __post_init__(self) -> None:
         _check(":" in self.dispatcher, f"dispatcher must be HOST:PORT, got {self.dispatcher!r}")

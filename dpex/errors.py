@@ -23,6 +23,10 @@ class DpexConflictError(DpexError):
     """A job exists under this name with different parameters."""
 
 
+class DpexAuthError(DpexError, PermissionError):
+    """A peer refused us: no or a wrong auth token, or unauthenticated shipped code."""
+
+
 class DpexTimeoutError(DpexError, TimeoutError):
     """No progress within the configured timeout."""
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from dpex import errors
+from dpex.auth import TokenCheck, with_token
 
 log = logging.getLogger("dpex.rpc")
 
@@ -41,6 +42,7 @@ _TO_STATUS: list[tuple[type[errors.DpexError], grpc.StatusCode]] = [
     (errors.DpexTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.DpexConnectionError, grpc.StatusCode.UNAVAILABLE),
     (errors.DpexWireError, grpc.StatusCode.DATA_LOSS),
+    (errors.DpexAuthError, grpc.StatusCode.PERMISSION_DENIED),
 ]
 _FROM_STATUS = {code: cls for cls, code in _TO_STATUS}
 
@@ -60,6 +62,8 @@ def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
         return errors.DpexConnectionError(f"cannot reach {target}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DpexTimeoutError(f"{target} did not answer in time: {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.DpexAuthError(f"{target} refused us: {details}")
     cls = _FROM_STATUS.get(code, errors.DpexError)
     return cls(details)
 
@@ -111,7 +115,12 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
         delay = min(delay * 2, 1.0)
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(address: str, token: str | None = None) -> grpc.Channel:
+    """A channel to a Dpex daemon, sending ``token`` with every call."""
     if not address or ":" not in address:
         raise errors.DpexConfigError(f"bad address {address!r}: expected HOST:PORT")
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return with_token(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token)
+
+
+def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
+    return [TokenCheck(token)] if token else []

@@ -19,6 +19,7 @@ import torch.utils.data as tud
 
 from dpex.client.fetcher import EpochFetcher
 from dpex.client.streams import StreamPool
+from dpex.auth import load_token
 from dpex.dataset import DatasetSpec
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError, DpexWorkerError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -83,11 +84,11 @@ def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None) -> None:
         self.cluster: Any = None
         self.channel: Any = None
         self.stub: Any = None
-        self.streams = StreamPool()
+        self.streams = StreamPool(token)
         self.fetcher: EpochFetcher | None = None
         self.release: Callable[[], None] | None = None
         self._lock = threading.Lock()
@@ -125,6 +126,7 @@ class RemoteDataLoader:
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
     ``pin_memory`` pins batches in the trainer when an accelerator is present.
+    ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call.
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
@@ -138,7 +140,7 @@ class RemoteDataLoader:
                  timeout: float | None = None, *, generator: Any = None, window: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
-                 connect_timeout: float = 30.0) -> None:
+                 auth_token: str | None = None, connect_timeout: float = 30.0) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -157,16 +159,18 @@ class RemoteDataLoader:
         self.ordered, self.timeout = ordered, timeout
         self._connect_timeout = connect_timeout
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
-        self._res = _Resources()
+        self._token = token = load_token(token=auth_token)
+        self._res = _Resources(token)
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
             if address is None:
                 from dpex.cluster import LocalCluster
-                self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1)
+                self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1,
+                                                 auth_token=token)
                 address = self._res.cluster.address
             self.address = address
             self._target = f"dispatcher {address}"
-            self._res.channel = channel(address)
+            self._res.channel = channel(address, token)
             self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
             job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
                              collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
@@ -284,7 +288,7 @@ class RemoteDataLoader:
             alive = [w.address for w in status.workers if w.state == "alive"]
             for address in alive:
                 try:
-                    ch = channel(address)
+                    ch = channel(address, self._token)
                     try:
                         inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
                                                  request_serializer=wpb.InspectRequest.SerializeToString,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import grpc
 
 from dpex.proto import worker_pb2 as wpb
-from dpex.rpc import CHANNEL_OPTIONS
+from dpex.rpc import channel
 
 log = logging.getLogger("dpex.client")
 
@@ -25,12 +25,12 @@ class Received(NamedTuple):
 
 
 class _Stream:
-    def __init__(self, address: str, results: queue.SimpleQueue) -> None:
+    def __init__(self, address: str, results: queue.SimpleQueue, token: str | None) -> None:
         self.address = address
         self._results = results
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel(address, token)
         fetch = self._channel.stream_stream(
             "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
             response_deserializer=None)  # frames stay bytes: parsed without copies later
@@ -63,7 +63,8 @@ class _Stream:
 
 
 class StreamPool:
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -72,7 +73,7 @@ class StreamPool:
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = _Stream(address, self.results)
+                stream = self._streams[address] = _Stream(address, self.results, self.token)
         stream.send(request)
 
     def drop(self, address: str) -> None:

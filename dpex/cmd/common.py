@@ -38,5 +38,16 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
     server.close()
 
 
+def auth_options(fn):
+    """--auth-token-file and --allow-unauthenticated, for both daemons."""
+    fn = click.option("--allow-unauthenticated", is_flag=True, envvar="DPEX_ALLOW_UNAUTHENTICATED",
+                      show_envvar=True, help="Without a token, still run/accept code shipped from "
+                      "non-loopback peers (unsafe).")(fn)
+    return click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
+                        envvar="DPEX_AUTH_TOKEN_FILE", show_envvar=True,
+                        help="File holding the shared token every call must carry "
+                        "(or set DPEX_AUTH_TOKEN).")(fn)
+
+
 def fail(message: str) -> None:
     raise click.ClickException(message)

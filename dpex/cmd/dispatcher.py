@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from dpex.cmd.common import LOG_LEVELS, fail, serve_until_signalled, setup_logging
+from dpex.auth import load_token
+from dpex.cmd.common import LOG_LEVELS, auth_options, fail, serve_until_signalled, setup_logging
 from dpex.config import DispatcherConfig
 from dpex.errors import DpexError
 
@@ -26,10 +27,11 @@ from dpex.errors import DpexError
 @click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@auth_options
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
          heartbeat_timeout: float, consumer_timeout: float, split_size: int, log_level: str,
-         ready_file: str | None) -> None:
+         auth_token_file: str | None, allow_unauthenticated: bool, ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
     the trainers' epoch plans and hands splits of them to workers. With
     --work-dir it journals every change and a restart resumes where it was;
@@ -45,7 +47,9 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
     try:
         config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
                                   heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
-                                  work_dir=work_dir, consumer_timeout_s=consumer_timeout)
+                                  work_dir=work_dir, consumer_timeout_s=consumer_timeout,
+                                  auth_token=load_token(auth_token_file),
+                                  allow_unauthenticated=allow_unauthenticated)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

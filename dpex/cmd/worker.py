@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from dpex.cmd.common import LOG_LEVELS, fail, serve_until_signalled, setup_logging
+from dpex.auth import load_token
+from dpex.cmd.common import LOG_LEVELS, auth_options, fail, serve_until_signalled, setup_logging
 from dpex.config import WorkerConfig
 from dpex.errors import DpexError
 
@@ -27,10 +28,12 @@ from dpex.errors import DpexError
 @click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@auth_options
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
-         log_level: str, ready_file: str | None) -> None:
+         log_level: str, auth_token_file: str | None, allow_unauthenticated: bool,
+         ready_file: str | None) -> None:
     """Run a Dpex worker. It registers with the dispatcher, takes splits of
     the trainers' plans, builds each job's dataset from its own local files,
     and streams finished batches to the trainers.
@@ -45,7 +48,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
                               processes=processes, buffer_batches=buffer_batches,
                               max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
-                              connect_timeout_s=connect_timeout)
+                              connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
+                              allow_unauthenticated=allow_unauthenticated)
         server = WorkerServer(config)
     except DpexError as e:
         fail(str(e))

@@ -10,7 +10,7 @@ from dpex.config import DispatcherConfig
 from dpex.dispatcher.service import DispatcherService
 from dpex.errors import DpexConfigError
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.rpc import SERVER_OPTIONS
+from dpex.rpc import SERVER_OPTIONS, server_interceptors
 
 log = logging.getLogger("dpex.dispatcher")
 
@@ -24,7 +24,7 @@ class DispatcherServer:
         # Heartbeats long-poll, so every worker can hold a thread.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=256,
                                                               thread_name_prefix="dpex-rpc"),
-                                   options=SERVER_OPTIONS)
+                                   options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
         dgrpc.add_DispatcherServicer_to_server(self.service, self._server)
         try:
             self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
@@ -36,7 +36,11 @@ class DispatcherServer:
         self._closed = False
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
         self.address = f"{host}:{self.port}"
-        log.info("dispatcher listening on %s:%d", config.host, self.port)
+        log.info("dispatcher listening on %s:%d; %s", config.host, self.port,
+                 "auth: a token is required on every call" if config.auth_token else
+                 "auth: NONE - anyone who can reach this port may call it; jobs (shipped code) are "
+                 + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated
+                    else "accepted from loopback peers only"))
 
     def wait(self) -> None:
         self._server.wait_for_termination()

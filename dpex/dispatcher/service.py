@@ -13,7 +13,8 @@ import grpc
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.journal import Journal
 from dpex.dispatcher.state import DispatcherState, Plan
-from dpex.errors import DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.auth import is_loopback_peer
+from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import journal_pb2 as jpb
@@ -149,6 +150,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
     # ---- jobs and plans -----------------------------------------------------
     @servicer_method
     def GetOrCreateJob(self, request, context):
+        if not (self._config.auth_token or self._config.allow_unauthenticated
+                or is_loopback_peer(context.peer())):
+            raise DpexAuthError(
+                "this dispatcher has no auth token, so it takes jobs (which carry code for the workers) "
+                "only from loopback peers; give it a token (--auth-token-file / DPEX_AUTH_TOKEN) or "
+                "--allow-unauthenticated")
         job = request.job
         if job.num_consumers < 1:
             raise DpexConfigError("num_consumers must be >= 1")

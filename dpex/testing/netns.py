@@ -8,6 +8,7 @@ its own data directory (``$DPEX_NODE_DATA``), whose files name the node.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import time
 from typing import Any
 
+from dpex.auth import TOKEN_ENV
 from dpex.testing.cluster import wait_until
 from dpex.testing.nodes import write_node_data
 
@@ -36,6 +38,7 @@ def _ip(*args: str, ns: str | None = None) -> None:
 class NetnsCluster:
     def __init__(self, workers: int = 3, samples: int = 200, heartbeat_timeout_s: float = 1.5) -> None:
         self.tag = f"dx{os.getpid() % 100000}"
+        self.token = secrets.token_hex(16)  # the hosts talk across a network: authenticated
         self.dir = tempfile.mkdtemp(prefix="dpex-netns-")
         self.samples = samples
         self.hb_timeout = heartbeat_timeout_s
@@ -92,7 +95,7 @@ class NetnsCluster:
         log = open(os.path.join(self.dir, f"{node}.log"), "ab")
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), sys.executable, *args],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, TOKEN_ENV: self.token, **(env or {})})
 
     def _await_ready(self, node: str, ready: str) -> None:
         proc = self.procs[node]
@@ -144,6 +147,7 @@ class NetnsCluster:
     def run_trainer(self, epochs: int, delay_s: float) -> subprocess.Popen:
         """Starts dpex.testing.nodes' trainer in the trainer's namespace (no data there)."""
         env = {k: v for k, v in os.environ.items() if k != "DPEX_NODE_DATA"}
+        env[TOKEN_ENV] = self.token
         return subprocess.Popen(["ip", "netns", "exec", self.ns("trainer"), sys.executable, "-m",
                                  "dpex.testing.nodes", "train", self.address, str(self.samples), str(epochs),
                                  str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -21,7 +21,7 @@ class DispatcherAgent:
         self._address = address
         self._scheduler = scheduler
         self._job_dir = job_dir
-        self._channel = channel(config.dispatcher)
+        self._channel = channel(config.dispatcher, config.auth_token)
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
         self.worker_id = ""
@@ -84,7 +84,7 @@ class DispatcherAgent:
             except DpexConnectionError as e:
                 log.warning("%s; still retrying", e)
                 continue
-            except DpexError as e:
+            except DpexError as e:  # e.g. DpexAuthError: a wrong token
                 log.error("heartbeat failed: %s", e)
                 self._stop.wait(interval)
                 continue

@@ -1,6 +1,7 @@
 """Runs a worker: gRPC server, process pool, scheduler and dispatcher agent."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import tempfile
@@ -10,7 +11,7 @@ import grpc
 
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
-from dpex.rpc import SERVER_OPTIONS
+from dpex.rpc import SERVER_OPTIONS, server_interceptors
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
@@ -34,13 +35,31 @@ def advertised_host(config: WorkerConfig) -> str:
         return socket.gethostname()
 
 
+def check_code_source(config: WorkerConfig) -> None:
+    """Workers run code that arrives through the dispatcher: without a token,
+    only from a loopback dispatcher, unless allow_unauthenticated."""
+    if config.auth_token or config.allow_unauthenticated:
+        return
+    host = config.dispatcher.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback:
+        raise DpexConfigError(
+            f"this worker would run code shipped through {config.dispatcher} without authentication; "
+            "give dispatcher and workers a token (--auth-token-file / DPEX_AUTH_TOKEN) or pass "
+            "--allow-unauthenticated")
+
+
 class WorkerServer:
     def __init__(self, config: WorkerConfig) -> None:
+        check_code_source(config)
         self.config = config
         self._closed = False
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
                                                               thread_name_prefix="dpex-rpc"),
-                                   options=SERVER_OPTIONS)
+                                   options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
         try:
             port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         except RuntimeError as e:
@@ -61,7 +80,9 @@ class WorkerServer:
         except BaseException:
             self.close()
             raise
-        log.info("worker serving on %s with %d processes", self.address, config.processes)
+        log.info("worker serving on %s with %d processes; %s", self.address, config.processes,
+                 "auth: a token is required on every call" if config.auth_token else
+                 "auth: NONE - anyone who can reach this port may fetch batches")
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None

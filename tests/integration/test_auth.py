@@ -1,0 +1,116 @@
+"""Authentication: a shared token on every call between trainers, the
+dispatcher and workers; shipped code only from authenticated or loopback peers."""
+import os
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+import dpex
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import worker_pb2 as wpb
+from dpex.rpc import CHANNEL_OPTIONS, channel
+from dpex.testing import wait_until
+
+TOKEN = "s3cret-token"
+SPEC = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=8)
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def secured():
+    with dpex.testing.test_cluster(num_workers=1, auth_token=TOKEN) as c:
+        yield c
+
+
+def run(*args, env=None):
+    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if k != "DPEX_AUTH_TOKEN"}, **(env or {})})
+
+
+def test_the_right_token_works_end_to_end(secured):
+    with dpex.RemoteDataLoader(secured.address, SPEC, batch_size=4, auth_token=TOKEN, timeout=30) as dl:
+        assert [b["y"].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
+def test_no_or_a_wrong_token_is_refused(secured, token, monkeypatch):
+    monkeypatch.delenv("DPEX_AUTH_TOKEN", raising=False)
+    with pytest.raises(dpex.DpexAuthError, match="missing or wrong auth token"):
+        dpex.RemoteDataLoader(secured.address, SPEC, auth_token=token, connect_timeout=1)
+
+
+def test_the_token_from_the_environment(secured, monkeypatch):
+    monkeypatch.setenv("DPEX_AUTH_TOKEN", TOKEN)
+    with dpex.RemoteDataLoader(secured.address, SPEC, batch_size=8, timeout=30) as dl:
+        assert len(list(dl)) == 1
+
+
+def test_every_worker_method_checks_it(secured):
+    worker = secured.worker_addresses[0]
+    with grpc.insecure_channel(worker, options=CHANNEL_OPTIONS) as ch:
+        inspect = ch.unary_unary("/dpex.v1.Worker/Inspect", request_serializer=wpb.InspectRequest.SerializeToString,
+                                 response_deserializer=wpb.InspectResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            inspect(wpb.InspectRequest(job_id=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        fetch = ch.stream_stream("/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(fetch(iter([wpb.FetchRequest(job_id=1)]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_status_and_a_worker_without_the_token(secured, tmp_path):
+    out = run("dpex", "status", "--dispatcher", secured.address, "--timeout", "1")
+    assert out.returncode == 1 and "missing or wrong auth token" in out.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    assert run("dpex", "status", "--dispatcher", secured.address, "--auth-token-file", str(token_file)).returncode == 0
+    out = run("dpex-worker", "--dispatcher", secured.address, "--processes", "1", "--connect-timeout", "1")
+    assert out.returncode == 1 and "missing or wrong auth token" in out.stderr
+
+
+def host_ip():
+    """This machine's address on a non-loopback interface, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))
+            ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.skipif(host_ip() is None, reason="no non-loopback interface")
+@pytest.mark.parametrize("allow", [False, True])
+def test_without_a_token_jobs_come_only_from_loopback(tmp_path, allow):
+    ready = tmp_path / "ready"
+    args = [os.path.join(BIN, "dpex-dispatcher"), "--host", "0.0.0.0", "--port", "0", "--ready-file", str(ready)]
+    proc = subprocess.Popen(args + (["--allow-unauthenticated"] if allow else []), stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "DPEX_AUTH_TOKEN"})
+    try:
+        wait_until(ready.exists, 30, "the dispatcher")
+        port = ready.read_text().rsplit(":", 1)[1]
+        request = dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"x", num_consumers=1))
+        for address, accepted in ((f"127.0.0.1:{port}", True), (f"{host_ip()}:{port}", allow)):
+            with channel(address) as ch:
+                stub = ch.unary_unary("/dpex.v1.Dispatcher/GetOrCreateJob",
+                                      request_serializer=dpb.GetOrCreateJobRequest.SerializeToString,
+                                      response_deserializer=dpb.GetOrCreateJobResponse.FromString)
+                if accepted:
+                    assert stub(request, timeout=10).job_id
+                else:
+                    with pytest.raises(grpc.RpcError) as info:
+                        stub(request, timeout=10)
+                    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "only from loopback peers" in info.value.details()
+        if not allow:  # (an allowed worker would start and serve)
+            out = run("dpex-worker", "--dispatcher", f"{host_ip()}:{port}", "--processes", "1",
+                      "--connect-timeout", "1")
+            assert out.returncode == 1 and "without authentication" in out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert ("accepted from anywhere" if allow else "accepted from loopback peers only") in proc.stderr.read()
