@@ -30,12 +30,17 @@ def test_replay_rebuilds_the_state(tmp_path):
     assert again.workers["w1"].held == {2} and again.jobs[5].batches_delivered == 2
 
 
-def test_a_torn_tail_is_ignored_and_cut_off(tmp_path):
+def written(tmp_path):
+    """A journal holding updates(), closed; its path."""
     journal = Journal(str(tmp_path))
     for u in updates():
         journal.append(u)
     journal.close()
-    path = os.path.join(tmp_path, FILE_NAME)
+    return os.path.join(tmp_path, FILE_NAME)
+
+
+def test_a_torn_tail_is_ignored_and_cut_off(tmp_path):
+    path = written(tmp_path)
     whole = os.path.getsize(path)
     with open(path, "ab") as f:
         f.write(b"\x40\x00\x00\x00\x12\x34")  # a header cut short by a crash
@@ -49,11 +54,7 @@ def test_a_torn_tail_is_ignored_and_cut_off(tmp_path):
 
 
 def test_a_corrupt_record_ends_the_replay(tmp_path):
-    journal = Journal(str(tmp_path))
-    for u in updates():
-        journal.append(u)
-    journal.close()
-    path = os.path.join(tmp_path, FILE_NAME)
+    path = written(tmp_path)
     data = bytearray(open(path, "rb").read())
     data[-3] ^= 0xFF  # flip bits in the last record: its CRC no longer matches
     open(path, "wb").write(bytes(data))
