@@ -35,6 +35,33 @@ def load_token(token_file: str | None = None, token: str | None = None) -> str |
     return token
 
 
+TLS_CA_ENV = "DPEX_TLS_CA"
+
+
+def read_pem(path: str | None, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise DpexConfigError(f"cannot read the TLS {what} {path}: {e}") from None
+
+
+def load_ca(path: str | None = None) -> bytes | None:
+    """The CA certificates (PEM) to verify daemons with: ``path`` or $DPEX_TLS_CA; None: no TLS."""
+    return read_pem(path or os.environ.get(TLS_CA_ENV), "CA file")
+
+
+def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.ServerCredentials | None:
+    """TLS for a daemon's port from a certificate chain and key (PEM); None: plaintext."""
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise DpexConfigError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials([(read_pem(key_file, "key"), read_pem(cert_file, "certificate"))])
+
+
 def is_loopback_peer(peer: str) -> bool:
     """``context.peer()`` of a loopback client: ipv4:127.x, ipv6:[::1] or a unix socket."""
     return peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:"))

@@ -56,6 +56,7 @@ class LocalCluster:
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
                  split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
                  consumer_timeout_s: float = 60.0, auth_token: str | None = None,
+                 tls: tuple[str, str, str] | None = None,
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
@@ -68,6 +69,9 @@ class LocalCluster:
         self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         if auth_token:  # through the environment: a command line is visible to every user
             self._env[TOKEN_ENV] = auth_token
+        # tls = (certificate, key, CA) files: both daemons serve TLS, workers verify the dispatcher.
+        self._tls_args = ["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else []
+        self._tls_ca_args = ["--tls-ca", tls[2]] if tls else []
         self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
         self.log_dir = self._tmp.name
         self._lock = threading.Lock()
@@ -83,7 +87,7 @@ class LocalCluster:
                 "--heartbeat-interval", str(heartbeat_interval_s),
                 "--heartbeat-timeout", str(heartbeat_timeout_s),
                 "--split-size", str(split_size_batches), "--consumer-timeout", str(consumer_timeout_s),
-            ] + (["--work-dir", work_dir] if work_dir else [])
+            ] + (["--work-dir", work_dir] if work_dir else []) + self._tls_args
             self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
             self._dispatcher_box[0] = self.dispatcher
             self.address = self.dispatcher.address
@@ -123,7 +127,7 @@ class LocalCluster:
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
                 "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
-                "--heartbeat-interval", str(self._hb[0])]
+                "--heartbeat-interval", str(self._hb[0]), *self._tls_args, *self._tls_ca_args]
 
     def add_workers(self, n: int = 1) -> list[Daemon]:
         """Starts ``n`` more workers (in parallel) and waits until they serve."""

@@ -22,6 +22,8 @@ class DispatcherConfig:
     consumer_timeout_s: float = 60.0     # a trainer silent this long mid-epoch is released
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked
     allow_unauthenticated: bool = False  # without a token: accept jobs from non-loopback peers too
+    tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
@@ -45,6 +47,9 @@ class WorkerConfig:
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked or sent
     allow_unauthenticated: bool = False  # without a token: run jobs of a non-loopback dispatcher
+    tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None       # CAs to verify a TLS dispatcher (None: plaintext to it)
 
     def __post_init__(self) -> None:
         _check(":" in self.dispatcher, f"dispatcher must be HOST:PORT, got {self.dispatcher!r}")

@@ -115,11 +115,29 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
         delay = min(delay * 2, 1.0)
 
 
-def channel(address: str, token: str | None = None) -> grpc.Channel:
-    """A channel to a Dpex daemon, sending ``token`` with every call."""
+def channel(address: str, token: str | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
+    """A channel to a Dpex daemon, sending ``token`` with every call; with
+    ``tls_ca`` (PEM), over TLS, verifying the daemon against those CAs."""
     if not address or ":" not in address:
         raise errors.DpexConfigError(f"bad address {address!r}: expected HOST:PORT")
-    return with_token(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token)
+    if tls_ca:
+        raw = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca),
+                                  options=CHANNEL_OPTIONS)
+    else:
+        raw = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return with_token(raw, token)
+
+
+def listen(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds ``address`` (TLS with ``credentials``); the port, or a DpexConfigError."""
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials
+                else server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise errors.DpexConfigError(f"cannot listen on {address}: {e}") from None
+    if port == 0:
+        raise errors.DpexConfigError(f"cannot listen on {address} (port in use?)")
+    return port
 
 
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:

@@ -19,7 +19,7 @@ import torch.utils.data as tud
 
 from dpex.client.fetcher import EpochFetcher
 from dpex.client.streams import StreamPool
-from dpex.auth import load_token
+from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError, DpexWorkerError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -84,11 +84,11 @@ def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, tls_ca: bytes | None) -> None:
         self.cluster: Any = None
         self.channel: Any = None
         self.stub: Any = None
-        self.streams = StreamPool(token)
+        self.streams = StreamPool(token, tls_ca)
         self.fetcher: EpochFetcher | None = None
         self.release: Callable[[], None] | None = None
         self._lock = threading.Lock()
@@ -126,7 +126,8 @@ class RemoteDataLoader:
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
     ``pin_memory`` pins batches in the trainer when an accelerator is present.
-    ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call.
+    ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call; with
+    ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
@@ -140,7 +141,8 @@ class RemoteDataLoader:
                  timeout: float | None = None, *, generator: Any = None, window: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
-                 auth_token: str | None = None, connect_timeout: float = 30.0) -> None:
+                 auth_token: str | None = None, tls_ca: str | None = None,
+                 connect_timeout: float = 30.0) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -160,7 +162,8 @@ class RemoteDataLoader:
         self._connect_timeout = connect_timeout
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
         self._token = token = load_token(token=auth_token)
-        self._res = _Resources(token)
+        self._tls_ca = ca = load_ca(tls_ca)
+        self._res = _Resources(token, ca)
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
             if address is None:
@@ -170,7 +173,7 @@ class RemoteDataLoader:
                 address = self._res.cluster.address
             self.address = address
             self._target = f"dispatcher {address}"
-            self._res.channel = channel(address, token)
+            self._res.channel = channel(address, token, ca)
             self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
             job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
                              collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
@@ -288,7 +291,7 @@ class RemoteDataLoader:
             alive = [w.address for w in status.workers if w.state == "alive"]
             for address in alive:
                 try:
-                    ch = channel(address, self._token)
+                    ch = channel(address, self._token, self._tls_ca)
                     try:
                         inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
                                                  request_serializer=wpb.InspectRequest.SerializeToString,

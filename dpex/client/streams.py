@@ -25,12 +25,13 @@ class Received(NamedTuple):
 
 
 class _Stream:
-    def __init__(self, address: str, results: queue.SimpleQueue, token: str | None) -> None:
+    def __init__(self, address: str, results: queue.SimpleQueue, token: str | None,
+                 tls_ca: bytes | None) -> None:
         self.address = address
         self._results = results
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
-        self._channel = channel(address, token)
+        self._channel = channel(address, token, tls_ca)
         fetch = self._channel.stream_stream(
             "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
             response_deserializer=None)  # frames stay bytes: parsed without copies later
@@ -63,8 +64,8 @@ class _Stream:
 
 
 class StreamPool:
-    def __init__(self, token: str | None = None) -> None:
-        self.token = token
+    def __init__(self, token: str | None = None, tls_ca: bytes | None = None) -> None:
+        self.token, self.tls_ca = token, tls_ca
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -73,7 +74,7 @@ class StreamPool:
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = _Stream(address, self.results, self.token)
+                stream = self._streams[address] = _Stream(address, self.results, self.token, self.tls_ca)
         stream.send(request)
 
     def drop(self, address: str) -> None:

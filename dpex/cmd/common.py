@@ -39,7 +39,11 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
 
 
 def auth_options(fn):
-    """--auth-token-file and --allow-unauthenticated, for both daemons."""
+    """--auth-token-file, --allow-unauthenticated, --tls-cert and --tls-key, for both daemons."""
+    fn = click.option("--tls-key", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_KEY",
+                      show_envvar=True, help="Private key (PEM) for --tls-cert.")(fn)
+    fn = click.option("--tls-cert", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CERT",
+                      show_envvar=True, help="Serve TLS with this certificate chain (PEM).")(fn)
     fn = click.option("--allow-unauthenticated", is_flag=True, envvar="DPEX_ALLOW_UNAUTHENTICATED",
                       show_envvar=True, help="Without a token, still run/accept code shipped from "
                       "non-loopback peers (unsafe).")(fn)

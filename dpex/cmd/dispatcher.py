@@ -31,7 +31,8 @@ from dpex.errors import DpexError
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
          heartbeat_timeout: float, consumer_timeout: float, split_size: int, log_level: str,
-         auth_token_file: str | None, allow_unauthenticated: bool, ready_file: str | None) -> None:
+         auth_token_file: str | None, allow_unauthenticated: bool, tls_cert: str | None,
+         tls_key: str | None, ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
     the trainers' epoch plans and hands splits of them to workers. With
     --work-dir it journals every change and a restart resumes where it was;
@@ -49,7 +50,8 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
                                   heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
                                   work_dir=work_dir, consumer_timeout_s=consumer_timeout,
                                   auth_token=load_token(auth_token_file),
-                                  allow_unauthenticated=allow_unauthenticated)
+                                  allow_unauthenticated=allow_unauthenticated,
+                                  tls_cert_file=tls_cert, tls_key_file=tls_key)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

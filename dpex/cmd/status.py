@@ -39,15 +39,17 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
               show_default=True, help="Seconds to try to reach the dispatcher.")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None, envvar="DPEX_AUTH_TOKEN_FILE",
               show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
-def status(dispatcher: str, timeout: float, auth_token_file: str | None) -> None:
+@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
+              help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
+def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None) -> None:
     """Show workers (state, splits held, heartbeat) and jobs (batches
     planned and delivered)."""
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
-    from dpex.auth import load_token
+    from dpex.auth import load_ca, load_token
     from dpex.rpc import call, channel
     try:
-        with channel(dispatcher, load_token(auth_token_file)) as ch:
+        with channel(dispatcher, load_token(auth_token_file), load_ca(tls_ca)) as ch:
             response = call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(),
                             target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
     except DpexError as e:

@@ -29,11 +29,13 @@ from dpex.errors import DpexError
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
 @click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
 @auth_options
+@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
+              help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
          log_level: str, auth_token_file: str | None, allow_unauthenticated: bool,
-         ready_file: str | None) -> None:
+         tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
     """Run a Dpex worker. It registers with the dispatcher, takes splits of
     the trainers' plans, builds each job's dataset from its own local files,
     and streams finished batches to the trainers.
@@ -49,7 +51,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               processes=processes, buffer_batches=buffer_batches,
                               max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
-                              allow_unauthenticated=allow_unauthenticated)
+                              allow_unauthenticated=allow_unauthenticated,
+                              tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca)
         server = WorkerServer(config)
     except DpexError as e:
         fail(str(e))

@@ -8,9 +8,9 @@ import grpc
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.service import DispatcherService
-from dpex.errors import DpexConfigError
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.rpc import SERVER_OPTIONS, server_interceptors
+from dpex.auth import server_credentials
+from dpex.rpc import SERVER_OPTIONS, listen, server_interceptors
 
 log = logging.getLogger("dpex.dispatcher")
 
@@ -26,17 +26,14 @@ class DispatcherServer:
                                                               thread_name_prefix="dpex-rpc"),
                                    options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
         dgrpc.add_DispatcherServicer_to_server(self.service, self._server)
-        try:
-            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
-        except RuntimeError as e:
-            raise DpexConfigError(f"cannot listen on {config.host}:{config.port}: {e}") from None
-        if self.port == 0:
-            raise DpexConfigError(f"cannot listen on {config.host}:{config.port} (port in use?)")
+        self.port = listen(self._server, f"{config.host}:{config.port}",
+                           server_credentials(config.tls_cert_file, config.tls_key_file))
         self._server.start()
         self._closed = False
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
         self.address = f"{host}:{self.port}"
-        log.info("dispatcher listening on %s:%d; %s", config.host, self.port,
+        log.info("dispatcher listening on %s:%d (%s); %s", config.host, self.port,
+                 "TLS" if config.tls_cert_file else "plaintext",
                  "auth: a token is required on every call" if config.auth_token else
                  "auth: NONE - anyone who can reach this port may call it; jobs (shipped code) are "
                  + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated

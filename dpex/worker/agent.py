@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 
+from dpex.auth import load_ca
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConnectionError, DpexError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -21,7 +22,7 @@ class DispatcherAgent:
         self._address = address
         self._scheduler = scheduler
         self._job_dir = job_dir
-        self._channel = channel(config.dispatcher, config.auth_token)
+        self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
         self.worker_id = ""

@@ -11,7 +11,8 @@ import grpc
 
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
-from dpex.rpc import SERVER_OPTIONS, server_interceptors
+from dpex.auth import server_credentials
+from dpex.rpc import SERVER_OPTIONS, listen, server_interceptors
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
@@ -60,10 +61,8 @@ class WorkerServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
                                                               thread_name_prefix="dpex-rpc"),
                                    options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
-        try:
-            port = self._server.add_insecure_port(f"{config.host}:{config.port}")
-        except RuntimeError as e:
-            raise DpexConfigError(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        port = listen(self._server, f"{config.host}:{config.port}",
+                      server_credentials(config.tls_cert_file, config.tls_key_file))
         self.address = f"{advertised_host(config)}:{port}"
         self._job_dir = tempfile.TemporaryDirectory(prefix="dpex-worker-")
         self.pool = BatchPool(config.processes, self.address)
@@ -80,7 +79,8 @@ class WorkerServer:
         except BaseException:
             self.close()
             raise
-        log.info("worker serving on %s with %d processes; %s", self.address, config.processes,
+        log.info("worker serving on %s (%s) with %d processes; %s", self.address,
+                 "TLS" if config.tls_cert_file else "plaintext", config.processes,
                  "auth: a token is required on every call" if config.auth_token else
                  "auth: NONE - anyone who can reach this port may fetch batches")
 
