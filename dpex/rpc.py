@@ -140,5 +140,16 @@ def listen(server: grpc.Server, address: str, credentials: grpc.ServerCredential
     return port
 
 
+def add_health(server: grpc.Server, service: str) -> Any:
+    """The standard gRPC health service (for container and Kubernetes probes),
+    SERVING for "" and ``service``; answers without a token."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", service):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
 def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
     return [TokenCheck(token)] if token else []

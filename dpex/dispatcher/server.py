@@ -10,7 +10,7 @@ from dpex.config import DispatcherConfig
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.auth import server_credentials
-from dpex.rpc import SERVER_OPTIONS, listen, server_interceptors
+from dpex.rpc import SERVER_OPTIONS, add_health, listen, server_interceptors
 
 log = logging.getLogger("dpex.dispatcher")
 
@@ -26,6 +26,7 @@ class DispatcherServer:
                                                               thread_name_prefix="dpex-rpc"),
                                    options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
         dgrpc.add_DispatcherServicer_to_server(self.service, self._server)
+        self._health = add_health(self._server, "dpex.v1.Dispatcher")
         self.port = listen(self._server, f"{config.host}:{config.port}",
                            server_credentials(config.tls_cert_file, config.tls_key_file))
         self._server.start()
@@ -46,5 +47,6 @@ class DispatcherServer:
         if self._closed:
             return
         self._closed = True
+        self._health.enter_graceful_shutdown()  # probes see NOT_SERVING from here on
         self.service.close()
         self._server.stop(grace_s).wait()

@@ -147,6 +147,16 @@ class DispatcherService(dgrpc.DispatcherServicer):
             self._last_seen[worker.worker_id] = time.monotonic()
         return response
 
+    @servicer_method
+    def DeregisterWorker(self, request, context):
+        with self._cond:
+            worker = self._state.workers.get(request.worker_id)
+            if worker is not None and worker.alive:
+                log.info("worker %s at %s is leaving; re-planning its %d splits", worker.worker_id,
+                         worker.address, len(worker.held))
+                self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
+        return dpb.DeregisterWorkerResponse()
+
     # ---- jobs and plans -----------------------------------------------------
     @servicer_method
     def GetOrCreateJob(self, request, context):

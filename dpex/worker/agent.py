@@ -91,8 +91,16 @@ class DispatcherAgent:
                 continue
             # No pause: the dispatcher long-polls each heartbeat for up to an interval.
 
-    def close(self) -> None:
+    def close(self, deregister: bool = False) -> None:
+        """Stops heartbeats; with ``deregister``, tells the dispatcher we leave
+        so that it re-plans our splits now rather than at the heartbeat timeout."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if deregister and self.registered.is_set():
+            try:
+                call(self._stub.DeregisterWorker, dpb.DeregisterWorkerRequest(worker_id=self.worker_id),
+                     target=f"dispatcher {self._config.dispatcher}", timeout_s=5)
+            except DpexError as e:
+                log.warning("could not deregister (%s); the heartbeat timeout will do it", e)
         self._channel.close()

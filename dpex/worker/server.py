@@ -12,7 +12,7 @@ import grpc
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex.auth import server_credentials
-from dpex.rpc import SERVER_OPTIONS, listen, server_interceptors
+from dpex.rpc import SERVER_OPTIONS, add_health, listen, server_interceptors
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
@@ -73,6 +73,7 @@ class WorkerServer:
                                        max_inflight=2 * config.processes,
                                        worker_address=self.address)
             self._server.add_generic_rpc_handlers((WorkerService(self.scheduler, self._inspect).handler(),))
+            self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir.name)
             self.agent.start()
@@ -96,12 +97,16 @@ class WorkerServer:
     def wait(self) -> None:
         self._server.wait_for_termination()
 
-    def close(self, grace_s: float = 1.0) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """Drains: deregisters (the dispatcher re-plans our splits and trainers
+        re-route), answers what is in flight for ``grace_s``, then stops."""
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_health"):
+            self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while we drain
         if self.agent is not None:
-            self.agent.close()
+            self.agent.close(deregister=True)
         self._server.stop(grace_s).wait()
         if hasattr(self, "scheduler"):
             self.scheduler.close()

@@ -114,3 +114,14 @@ def test_without_a_token_jobs_come_only_from_loopback(tmp_path, allow):
         proc.terminate()
         proc.wait(30)
     assert ("accepted from anywhere" if allow else "accepted from loopback peers only") in proc.stderr.read()
+
+
+def test_health_checks_answer_without_a_token(secured):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    for address, service in [(secured.address, "dpex.v1.Dispatcher"),
+                             (secured.worker_addresses[0], "dpex.v1.Worker")]:
+        with grpc.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for name in ("", service):
+                got = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+                assert got.status == health_pb2.HealthCheckResponse.SERVING

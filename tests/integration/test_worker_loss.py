@@ -56,3 +56,18 @@ def test_a_worker_restarted_on_the_same_address_rejoins_cleanly():
                 assert ids == list(range(240))
         restarted = c.workers[0]
         assert restarted.process.poll() is None
+
+
+def test_sigterm_drains_a_worker_without_waiting_for_its_heartbeat_timeout():
+    # A heartbeat timeout far beyond the loader's timeout: only the drain can explain a finished epoch.
+    with test_cluster(num_workers=2, heartbeat_timeout_s=60.0) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=N, delay_s=0.005)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=20) as dl:
+            got = []
+            for i, batch in enumerate(dl):
+                got.append(batch["y"].tolist())
+                if i == 10:
+                    c.kill_worker(0, signal.SIGTERM)  # waits for it to exit
+                    assert c.workers[0].process.returncode == 0
+            assert got == EXPECTED
+        assert "is leaving; re-planning its" in c.dispatcher.log_tail(50)
