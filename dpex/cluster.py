@@ -48,8 +48,8 @@ class LocalCluster:
 
     The cluster stops on :meth:`close`, on garbage collection, at interpreter
     exit, and (Linux) when the starting process dies. Daemon logs go to
-    ``log_dir``. Extra keyword arguments become flags of the daemons
-    (``heartbeat_timeout_s=2`` -> ``--heartbeat-timeout 2``).
+    ``log_dir``. The keyword arguments are the daemons' flags; ``auth_token``
+    travels in their environment, ``tls`` is (certificate, key, CA) files.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
@@ -77,8 +77,7 @@ class LocalCluster:
         self._lock = threading.Lock()
         self._count = 0
         self.workers: list[Daemon] = []
-        self.dispatcher: Daemon | None = None
-        self._dispatcher_box: list[Daemon | None] = [None]
+        self._dispatcher_box: list[Daemon | None] = [None]  # shared with the finalizer
         self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._lock, self.workers,
                                            self._dispatcher_box, self._tmp)
         try:
@@ -88,8 +87,7 @@ class LocalCluster:
                 "--heartbeat-timeout", str(heartbeat_timeout_s),
                 "--split-size", str(split_size_batches), "--consumer-timeout", str(consumer_timeout_s),
             ] + (["--work-dir", work_dir] if work_dir else []) + self._tls_args
-            self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
-            self._dispatcher_box[0] = self.dispatcher
+            self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
             self.address = self.dispatcher.address
             self.add_workers(num_workers)
         except BaseException:
@@ -161,9 +159,12 @@ class LocalCluster:
         self.dispatcher.process.send_signal(sig)
         self.dispatcher.process.wait()
         port = self.address.rsplit(":", 1)[1]
-        self.dispatcher = self._start("dispatcher", [*self._dispatcher_args, "--port", port])
-        self._dispatcher_box[0] = self.dispatcher
+        self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", port])
         return self.dispatcher
+
+    @property
+    def dispatcher(self) -> Daemon:
+        return self._dispatcher_box[0]
 
     @property
     def worker_addresses(self) -> list[str]:
