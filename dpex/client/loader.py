@@ -214,7 +214,7 @@ class RemoteDataLoader:
                 self._plan = tud.DataLoader(_Indices(length), batch_size=batch_size, shuffle=shuffle,
                                             sampler=sampler, batch_sampler=batch_sampler,
                                             drop_last=drop_last, collate_fn=_as_list, generator=generator)
-            self._window = window or 4 * max(1, self._workers_alive())
+            self._window = window or 4 * max(1, len(self._alive_workers()))
             self._transform = _pinner() if pin_memory else None
         except BaseException:
             self.close()
@@ -278,18 +278,16 @@ class RemoteDataLoader:
         return call(method, request, target=self._target, timeout_s=60,
                     retry_for_s=self._connect_timeout)
 
-    def _workers_alive(self) -> int:
+    def _alive_workers(self) -> list[str]:
         status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
-        return sum(1 for w in status.workers if w.state == "alive")
+        return [w.address for w in status.workers if w.state == "alive"]
 
     def _inspect(self) -> tuple[int, bool]:
         """Asks a worker to build the dataset: its length (-1: none), and
         whether it is an IterableDataset."""
         deadline = time.monotonic() + self._connect_timeout
         while True:
-            status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
-            alive = [w.address for w in status.workers if w.state == "alive"]
-            for address in alive:
+            for address in self._alive_workers():
                 try:
                     ch = channel(address, self._token, self._tls_ca)
                     try:

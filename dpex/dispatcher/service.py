@@ -31,8 +31,8 @@ def job_fingerprint(job: dpb.JobDef) -> bytes:
     return h.digest()
 
 
-def plan_hash(batches, base_seed: int) -> bytes:
-    h = hashlib.sha256(base_seed.to_bytes(8, "little"))
+def plan_hash(batches, base_seed: int, num_streams: int) -> bytes:
+    h = hashlib.sha256(base_seed.to_bytes(8, "little") + num_streams.to_bytes(4, "little"))
     for batch in batches:
         h.update(batch.SerializeToString())
         h.update(b"|")
@@ -203,7 +203,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def SubmitPlan(self, request, context):
         if request.num_streams and request.batches:
             raise DpexConfigError("a plan has either batches or streams, not both")
-        digest = plan_hash(request.batches, request.base_seed) + request.num_streams.to_bytes(4, "little")
+        digest = plan_hash(request.batches, request.base_seed, request.num_streams)
         with self._cond:
             job = self._job(request.job_id)
             if request.consumer_index >= job.definition.num_consumers:

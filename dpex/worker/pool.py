@@ -227,9 +227,6 @@ class BatchPool:
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
 
-    def pids(self) -> list[int]:
-        return list(getattr(self._executor, "_processes", {}) or {})
-
     def close(self) -> None:
         with self._lock:
             if self._closed:

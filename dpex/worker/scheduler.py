@@ -40,6 +40,12 @@ class _Split:
     unproduced: set[Key] = field(default_factory=set)
 
 
+def split_keys(split: dpb.Split) -> list[Key]:
+    """The batch ids of a (map-style) split, in order."""
+    return [Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
+            for i in range(len(split.batches))]
+
+
 def not_assigned_frame(key: Key) -> bytes:
     return build_frame(wpb.Batch(job_id=key.job_id, consumer_index=key.consumer_index,
                                  epoch=key.epoch, seq=key.seq, not_assigned=True))
@@ -94,8 +100,7 @@ class Scheduler:
                 self._add_stream(split)
                 return
             entry = _Split(split)
-            for i in range(len(split.batches)):
-                key = Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
+            for i, key in enumerate(split_keys(split)):
                 self._where[key] = (split.split_id, i)
                 entry.unproduced.add(key)
                 self._pending_set.add(key)
@@ -121,8 +126,7 @@ class Scheduler:
                     if not by_stream:
                         self._streams.pop(group, None)
                     continue
-                for i in range(len(split.batches)):
-                    key = Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
+                for key in split_keys(split):
                     self._where.pop(key, None)
                     self._ready.pop(key, None)
                     self._pending_set.discard(key)
