@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "RemoteDataLoader": "dpex.client.loader",
     "DpexDataLoader": "dpex.client.compat",
+    "LoaderStats": "dpex.client.stats",
     "LocalCluster": "dpex.cluster",
     "DatasetSpec": "dpex.dataset",
     **{name: "dpex.errors" for name in (
@@ -37,6 +38,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from dpex.client.compat import DpexDataLoader
     from dpex.client.loader import RemoteDataLoader
+    from dpex.client.stats import LoaderStats
     from dpex.cluster import LocalCluster
     from dpex.dataset import DatasetSpec
     from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,

@@ -24,6 +24,13 @@ class Daemon:
     process: subprocess.Popen
     address: str
     log_path: str
+    metrics_port: int | None = None  # with LocalCluster(metrics=True)
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        return f"http://{self.address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -49,14 +56,17 @@ class LocalCluster:
     The cluster stops on :meth:`close`, on garbage collection, at interpreter
     exit, and (Linux) when the starting process dies. Daemon logs go to
     ``log_dir``. The keyword arguments are the daemons' flags; ``auth_token``
-    travels in their environment, ``tls`` is (certificate, key, CA) files.
+    travels in their environment, ``tls`` is (certificate, key, CA) files;
+    ``metrics`` gives every daemon a Prometheus endpoint (``Daemon.metrics_url``);
+    ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
                  split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
                  consumer_timeout_s: float = 60.0, auth_token: str | None = None,
-                 tls: tuple[str, str, str] | None = None,
+                 tls: tuple[str, str, str] | None = None, metrics: bool = False,
+                 dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
@@ -72,6 +82,8 @@ class LocalCluster:
         # tls = (certificate, key, CA) files: both daemons serve TLS, workers verify the dispatcher.
         self._tls_args = ["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else []
         self._tls_ca_args = ["--tls-ca", tls[2]] if tls else []
+        self._metrics_args = ["--metrics-port", "0"] if metrics else []
+        self._worker_flags = list(worker_flags)
         self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
         self.log_dir = self._tmp.name
         self._lock = threading.Lock()
@@ -86,7 +98,8 @@ class LocalCluster:
                 "--heartbeat-interval", str(heartbeat_interval_s),
                 "--heartbeat-timeout", str(heartbeat_timeout_s),
                 "--split-size", str(split_size_batches), "--consumer-timeout", str(consumer_timeout_s),
-            ] + (["--work-dir", work_dir] if work_dir else []) + self._tls_args
+            ] + (["--work-dir", work_dir] if work_dir else []) + self._tls_args + self._metrics_args + list(
+                dispatcher_flags)
             self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
             self.address = self.dispatcher.address
             self.add_workers(num_workers)
@@ -117,7 +130,8 @@ class LocalCluster:
                 raise DpexError(f"{name} did not start within {self._start_timeout_s:g}s:\n{daemon.log_tail()}")
             time.sleep(0.05)
         with open(ready) as f:
-            return Daemon(name, process, f.read().strip(), log_path)
+            address, *metrics = f.read().split()
+        return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None)
 
     def _start(self, name: str, args: list[str]) -> Daemon:
         return self._await(name, *self._spawn(name, args))
@@ -125,7 +139,8 @@ class LocalCluster:
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
                 "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
-                "--heartbeat-interval", str(self._hb[0]), *self._tls_args, *self._tls_ca_args]
+                "--heartbeat-interval", str(self._hb[0]), *self._tls_args, *self._tls_ca_args,
+                *self._metrics_args, *self._worker_flags]
 
     def add_workers(self, n: int = 1) -> list[Daemon]:
         """Starts ``n`` more workers (in parallel) and waits until they serve."""

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from dpex.errors import DpexConfigError
 
+MAX_MESSAGE_BYTES = 1 << 30  # what trainers accept: one batch must fit in one message
+
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
@@ -24,10 +26,17 @@ class DispatcherConfig:
     allow_unauthenticated: bool = False  # without a token: accept jobs from non-loopback peers too
     tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
     tls_key_file: str | None = None
+    max_message_bytes: int = 256 << 20   # largest request taken (a plan is one message)
+    max_plan_batches: int = 10_000_000   # largest epoch plan taken, in batches
+    metrics_port: int | None = None      # Prometheus endpoint; None: none, 0: a free port
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
+        _check(1 << 10 <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
+               f"max_message_bytes must be in 1 KiB..1 GiB, got {self.max_message_bytes}")
+        _check(self.max_plan_batches >= 1, "max_plan_batches must be >= 1")
+        _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "bad metrics_port")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s must exceed heartbeat_interval_s")
         _check(self.split_size_batches >= 1, "split_size_batches must be >= 1")
@@ -50,8 +59,13 @@ class WorkerConfig:
     tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
     tls_key_file: str | None = None
     tls_ca_file: str | None = None       # CAs to verify a TLS dispatcher (None: plaintext to it)
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # largest batch frame sent; a bigger one is an error
+    metrics_port: int | None = None      # Prometheus endpoint; None: none, 0: a free port
 
     def __post_init__(self) -> None:
+        _check(1 << 10 <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
+               f"max_message_bytes must be in 1 KiB..1 GiB, got {self.max_message_bytes}")
+        _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "bad metrics_port")
         _check(":" in self.dispatcher, f"dispatcher must be HOST:PORT, got {self.dispatcher!r}")
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _check(self.processes >= 1, "processes must be >= 1")

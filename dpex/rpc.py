@@ -15,7 +15,7 @@ from dpex.auth import TokenCheck, with_token
 
 log = logging.getLogger("dpex.rpc")
 
-MAX_MESSAGE_BYTES = 1 << 30  # one batch must fit in one message
+from dpex.config import MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -26,14 +26,19 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),  # dpex retries explicitly, see call()
 ]
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.so_reuseport", 0),
-]
+
+
+def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """A daemon's server options; requests over ``max_receive_bytes`` are
+    refused with RESOURCE_EXHAUSTED before they reach a servicer."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
 
 _TO_STATUS: list[tuple[type[errors.DpexError], grpc.StatusCode]] = [
     (errors.DpexConfigError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -64,6 +69,8 @@ def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
         return errors.DpexTimeoutError(f"{target} did not answer in time: {details}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return errors.DpexAuthError(f"{target} refused us: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return errors.DpexConfigError(f"{target} refused a message over its size limit: {details}")
     cls = _FROM_STATUS.get(code, errors.DpexError)
     return cls(details)
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from torch.utils.data import DataLoader
 
 from dpex.client.loader import RemoteDataLoader
+from dpex.client.stats import LoaderStats
 from dpex.errors import DpexConfigError, DpexTimeoutError
 
 
@@ -128,6 +129,10 @@ class DpexDataLoader:
             yield from self._remote
         except DpexTimeoutError as e:
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from e
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        """See :meth:`RemoteDataLoader.stats`."""
+        return self._remote.stats(reset)
 
     def close(self) -> None:
         """Stops streams and, with an embedded cluster, its processes."""

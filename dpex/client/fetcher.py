@@ -15,10 +15,11 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
-from dpex.errors import DpexCancelledError, DpexError, DpexTimeoutError, DpexWorkerError
+from dpex.errors import DpexCancelledError, DpexError, DpexTimeoutError, DpexWireError, DpexWorkerError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import call
+from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool
 from dpex.wire import decode, parse_frame
 
@@ -26,6 +27,7 @@ log = logging.getLogger("dpex.client")
 
 _WAIT_LOG_S = 30.0
 _BROKEN_BACKOFF_S = 1.0  # a worker whose stream failed is not asked again before this
+_MAX_CORRUPT = 3         # corrupt frames from one worker in an epoch before the epoch fails
 
 
 def describe(error: BaseException | None) -> str:
@@ -122,7 +124,8 @@ class EpochFetcher:
     def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
                  timeout_s: float | None, retry_for_s: float,
-                 transform: Callable[[Any], Any] | None = None, num_streams: int = 0) -> None:
+                 transform: Callable[[Any], Any] | None = None, num_streams: int = 0,
+                 meter: StatsMeter | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused)."""
         self._streams = streams
@@ -138,7 +141,9 @@ class EpochFetcher:
         self._owner: dict[int, str] = {}
         self._broken: dict[str, float] = {}        # address -> monotonic time to retry it
         self._requested: dict[int, str] = {}      # seq -> worker address
-        self._received: dict[int, tuple[wpb.Batch, memoryview]] = {}
+        self._received: dict[int, tuple[wpb.Batch, Any, int]] = {}  # seq -> (meta, batch, bytes)
+        self._corrupt: dict[str, int] = {}         # address -> corrupt frames it sent
+        self._failures: dict[str, int] = {}        # address -> failed streams to it
         self._retry: set[int] = set()
         self._cursor = 0                           # next seq never requested
         self._next = 0                             # next seq to yield (ordered)
@@ -146,6 +151,7 @@ class EpochFetcher:
         self._low = 0                              # lowest seq not received yet
         self._yielded = 0
         self._workers_alive = -1
+        self._meter = meter or StatsMeter()
         self._closed = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s)
 
@@ -181,6 +187,12 @@ class EpochFetcher:
         return seq % self._n if self._n else seq
 
     def __next__(self) -> Any:
+        asked_at = time.monotonic()
+        batch, nbytes = self._next_batch()
+        self._meter.record(self, asked_at, nbytes)
+        return batch
+
+    def _next_batch(self) -> tuple[Any, int]:
         if self._closed:
             raise StopIteration
         last_progress = last_log = time.monotonic()
@@ -215,7 +227,7 @@ class EpochFetcher:
                 f"{len(missing)} batches missing (seq {shown}); "
                 f"workers alive: {self._workers_alive if self._workers_alive >= 0 else 'unknown'}")
 
-    def _pop_ready(self) -> tuple[wpb.Batch, memoryview] | None:
+    def _pop_ready(self) -> tuple[wpb.Batch, Any, int] | None:
         if self._ordered:
             limit = self._limit()
             while not self._exists(self._next) and (limit is None or self._next < limit):
@@ -225,15 +237,14 @@ class EpochFetcher:
             return self._received.pop(next(iter(self._received)))
         return None
 
-    def _finish(self, item: tuple[wpb.Batch, memoryview]) -> Any:
-        meta, payload = item
+    def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int]:
+        meta, batch, nbytes = item
         self._yielded += 1
         self._next = meta.seq + 1 if self._ordered else self._next
         if meta.HasField("error"):
             self.close()
             raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
-        batch = decode(payload)
-        return self._transform(batch) if self._transform is not None else batch
+        return (self._transform(batch) if self._transform is not None else batch), nbytes
 
     def _send(self, seq: int, address: str) -> None:
         self._requested[seq] = address
@@ -274,7 +285,7 @@ class EpochFetcher:
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
         if isinstance(got, _Owners):
-            self._workers_alive = got.response.workers_alive
+            self._workers_alive = self._meter.workers_alive = got.response.workers_alive
             self._owner = {}
             for o in got.response.owners:
                 if self._n:
@@ -290,20 +301,24 @@ class EpochFetcher:
             raise got.error
         assert isinstance(got, Received)
         if got.frame is None:
-            if got.address not in self._broken:
-                log.warning("stream to worker %s failed (%s); asking for its batches again",
-                            got.address, describe(got.error))
+            failures = self._failures[got.address] = self._failures.get(got.address, 0) + 1
+            if failures % 10 == 1:  # a dead worker fails every backoff until the dispatcher notices
+                log.warning("stream to worker %s failed (%s, %d times); asking for its batches again",
+                            got.address, describe(got.error), failures)
             self._broken[got.address] = time.monotonic() + _BROKEN_BACKOFF_S
             self._streams.drop(got.address)
             self._reroute(lambda seq, address: address == got.address)
             return False
-        meta, payload = parse_frame(got.frame)
+        try:
+            meta, payload = parse_frame(got.frame)
+        except DpexWireError as e:
+            return self._corrupt_frame(got.address, None, e)
         if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
             return False  # from an earlier epoch or loader
         seq = meta.seq
         if meta.not_assigned:
             if self._requested.get(seq) == got.address:
-                self._reroute(lambda s, address: s == seq)
+                self._reroute(lambda s, address: s == seq, forget_owner=True)
             return False
         if meta.end_of_stream and self._n:
             stream, end = seq % self._n, seq // self._n
@@ -315,13 +330,37 @@ class EpochFetcher:
             return True
         if seq in self._delivered or not self._exists(seq):
             return False  # a duplicate (e.g. re-sent after a reconnect)
+        batch = None
+        if not meta.HasField("error"):
+            try:
+                batch = decode(payload)
+            except DpexWireError as e:
+                return self._corrupt_frame(got.address, seq, e)
         self._requested.pop(seq, None)
         self._retry.discard(seq)
         self._delivered.add(seq)
-        self._received[seq] = (meta, payload)
+        self._received[seq] = (meta, batch, len(payload))
         self._control.ack(seq)
         self._advance_low()
         return True
+
+    def _corrupt_frame(self, address: str, seq: int | None, error: DpexWireError) -> bool:
+        """A frame that does not decode: ask again (the worker produces the
+        batch anew), up to _MAX_CORRUPT times per worker, then fail the epoch."""
+        count = self._corrupt[address] = self._corrupt.get(address, 0) + 1
+        what = f"batch {seq}" if seq is not None else "a frame"
+        if count >= _MAX_CORRUPT:
+            self.close()
+            raise DpexWireError(f"worker {address} sent {count} corrupt batch frames in epoch {self._epoch} "
+                                f"of job {self._job_id} (last: {what}: {error})")
+        log.warning("worker %s sent a corrupt frame (%s: %s); asking for it again", address, what, error)
+        if seq is None:  # which batch it was is unknown: ask again for all that worker owes us
+            self._streams.drop(address)
+            self._reroute(lambda s, a: a == address)
+        elif self._requested.get(seq) == address:
+            del self._requested[seq]
+            self._retry.add(seq)
+        return False
 
     def _advance_low(self) -> None:
         limit = self._limit()
@@ -330,13 +369,18 @@ class EpochFetcher:
             self._low += 1
         self._control.next_seq = self._low
 
-    def _reroute(self, which: Callable[[int, str], bool]) -> None:
+    def _reroute(self, which: Callable[[int, str], bool], forget_owner: bool = False) -> None:
+        """Asks again for the requested batches ``which(seq, address)`` picks;
+        ``forget_owner``: not from that worker until the dispatcher names an owner
+        (it said it does not have the batch). Otherwise the same worker is asked
+        again after its backoff: a broken stream may be a blip, and a dead
+        worker's batches move when the dispatcher re-plans them."""
         for seq, address in list(self._requested.items()):
             if which(seq, address):
                 del self._requested[seq]
                 self._retry.add(seq)
-                if self._owner.get(self._owner_key(seq)) == address:
-                    del self._owner[self._owner_key(seq)]  # until the dispatcher says who owns it now
+                if forget_owner and self._owner.get(self._owner_key(seq)) == address:
+                    del self._owner[self._owner_key(seq)]
 
     def close(self) -> None:
         if self._closed:

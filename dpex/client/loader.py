@@ -18,6 +18,7 @@ import cloudpickle
 import torch.utils.data as tud
 
 from dpex.client.fetcher import EpochFetcher
+from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec
@@ -161,6 +162,7 @@ class RemoteDataLoader:
         self.ordered, self.timeout = ordered, timeout
         self._connect_timeout = connect_timeout
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
+        self._meter = StatsMeter()
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
         self._res = _Resources(token, ca)
@@ -260,8 +262,15 @@ class RemoteDataLoader:
             stub=self._res.stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, transform=self._transform, num_streams=streams)
+            retry_for_s=self._connect_timeout, transform=self._transform, num_streams=streams,
+            meter=self._meter)
         return self._res.fetcher
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        """Batches/s, bytes received, seconds the trainer waited for data and
+        whether it is input-bound (waiting > 10 % of the time), with how many
+        workers the measured rates call for. ``reset`` starts a new window."""
+        return self._meter.stats(reset)
 
     def close(self) -> None:
         """Stops streams and threads, releases the job, stops an embedded cluster."""

@@ -14,10 +14,19 @@ from dpex.procutil import die_with_parent_from_env
 LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, fmt: str = "text") -> None:
     die_with_parent_from_env()  # started by a LocalCluster: stop with it
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+    from dpex.log import setup
+    setup(level, fmt)
+
+
+def log_options(fn):
+    """--log-level and --log-format, for both daemons."""
+    fn = click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+                      envvar="DPEX_LOG_FORMAT", show_envvar=True,
+                      help="text: `time LEVEL logger message key=value...`; json: one object per line.")(fn)
+    return click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL",
+                        show_envvar=True)(fn)
 
 
 def serve_until_signalled(server: Any, ready_file: str | None) -> None:
@@ -27,8 +36,9 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if ready_file:
         tmp = f"{ready_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(server.address)
+        metrics = getattr(server, "metrics", None)
+        with open(tmp, "w") as f:  # the address, then the metrics port (if any)
+            f.write(server.address + (f"\n{metrics.port}" if metrics is not None else ""))
         os.replace(tmp, ready_file)
     # Short waits, not one long one: the kernel may deliver the signal to a
     # gRPC thread, and Python runs handlers only when the main thread runs.
@@ -51,6 +61,19 @@ def auth_options(fn):
                         envvar="DPEX_AUTH_TOKEN_FILE", show_envvar=True,
                         help="File holding the shared token every call must carry "
                         "(or set DPEX_AUTH_TOKEN).")(fn)
+
+
+def metrics_option(fn):
+    return click.option("--metrics-port", type=int, default=None, envvar="DPEX_METRICS_PORT", show_envvar=True,
+                        help="Serve Prometheus metrics on this port at /metrics (0 picks a free one) "
+                        "[default: none].")(fn)
+
+
+def message_limit_option(default_mb: int, what: str):
+    def add(fn):
+        return click.option("--max-message-mb", type=float, default=default_mb, envvar="DPEX_MAX_MESSAGE_MB",
+                            show_envvar=True, help=what)(fn)
+    return add
 
 
 def fail(message: str) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import LOG_LEVELS, auth_options, fail, serve_until_signalled, setup_logging
+from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
+                             serve_until_signalled, setup_logging)
 from dpex.config import DispatcherConfig
 from dpex.errors import DpexError
 
@@ -26,11 +27,16 @@ from dpex.errors import DpexError
               "is released and workers free what they hold for it.")
 @click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
-@click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@message_limit_option(256, "Largest request taken, in MiB (an epoch plan is one request).")
+@click.option("--max-plan-batches", type=int, default=10_000_000, envvar="DPEX_MAX_PLAN_BATCHES",
+              show_envvar=True, help="Largest epoch plan taken, in batches.")
+@metrics_option
+@log_options
 @auth_options
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
-         heartbeat_timeout: float, consumer_timeout: float, split_size: int, log_level: str,
+         heartbeat_timeout: float, consumer_timeout: float, split_size: int, max_message_mb: float,
+         max_plan_batches: int, metrics_port: int | None, log_level: str, log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool, tls_cert: str | None,
          tls_key: str | None, ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
@@ -43,7 +49,7 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
       dpex-dispatcher --port 7070
     then start workers with `dpex-worker --dispatcher HOST:7070`.
     """
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     from dpex.dispatcher.server import DispatcherServer
     try:
         config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
@@ -51,7 +57,9 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
                                   work_dir=work_dir, consumer_timeout_s=consumer_timeout,
                                   auth_token=load_token(auth_token_file),
                                   allow_unauthenticated=allow_unauthenticated,
-                                  tls_cert_file=tls_cert, tls_key_file=tls_key)
+                                  tls_cert_file=tls_cert, tls_key_file=tls_key,
+                                  max_message_bytes=int(max_message_mb * 2**20),
+                                  max_plan_batches=max_plan_batches, metrics_port=metrics_port)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

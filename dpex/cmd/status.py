@@ -12,17 +12,39 @@ def main() -> None:
     """Dpex operator commands."""
 
 
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def _age(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, sec = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
 def render(status) -> str:
-    lines = [f"WORKERS ({sum(w.state == 'alive' for w in status.workers)} alive)"]
-    rows = [("ID", "ADDRESS", "STATE", "SPLITS", "LAST HEARTBEAT")]
-    rows += [(w.worker_id, w.address, w.state, str(w.splits_held), f"{w.seconds_since_heartbeat:.1f}s ago")
-             for w in status.workers]
+    alive = [w for w in status.workers if w.state == "alive"]
+    lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
+             f"taken back from lost workers {status.splits_reassigned_total}", "",
+             f"WORKERS ({len(alive)} alive, {len(status.workers) - len(alive)} lost)"]
+    rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
+             "PRODUCED", "SENT", "SENT BYTES", "HEARTBEAT")]
+    for w in status.workers:
+        load = w.load
+        rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
+                     f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
+                     str(load.fetch_streams), str(load.batches_produced), str(load.batches_sent),
+                     _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago"))
     lines += _table(rows)
     lines += ["", f"JOBS ({len(status.jobs)})"]
-    rows = [("ID", "NAME", "CONSUMERS", "PLANNED", "DELIVERED", "SPLITS ASSIGNED", "UNASSIGNED")]
-    rows += [(str(j.job_id), j.name or "-", str(j.num_consumers), str(j.batches_planned),
-              str(j.batches_delivered), str(j.splits_assigned), str(j.splits_unassigned))
-             for j in status.jobs]
+    rows = [("ID", "NAME", "CONSUMERS", "EPOCH", "PLANNED", "DELIVERED", "DONE", "SPLITS ASSIGNED",
+             "UNASSIGNED")]
+    for j in status.jobs:
+        done = f"{100 * j.batches_delivered / j.batches_planned:.0f}%" if j.batches_planned else "-"
+        epochs = sorted(set(j.epochs))
+        rows.append((str(j.job_id), j.name or "-", f"{j.consumers_active} active / {j.num_consumers}",
+                     "-" if not epochs else "/".join(map(str, epochs)), str(j.batches_planned),
+                     str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned)))
     lines += _table(rows)
     return "\n".join(lines)
 
@@ -41,9 +63,11 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
               show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
 @click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
               help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
-def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None) -> None:
-    """Show workers (state, splits held, heartbeat) and jobs (batches
-    planned and delivered)."""
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON instead of tables.")
+def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None,
+           as_json: bool) -> None:
+    """Show workers (state, splits held, load, batches produced and sent,
+    heartbeat) and jobs (consumers, epoch, batches planned and delivered)."""
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     from dpex.auth import load_ca, load_token
@@ -54,7 +78,11 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
                             target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
     except DpexError as e:
         fail(str(e))
-    click.echo(render(response))
+    if as_json:
+        from google.protobuf.json_format import MessageToJson
+        click.echo(MessageToJson(response, always_print_fields_with_no_presence=True))
+    else:
+        click.echo(render(response))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import LOG_LEVELS, auth_options, fail, serve_until_signalled, setup_logging
+from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
+                             serve_until_signalled, setup_logging)
 from dpex.config import WorkerConfig
 from dpex.errors import DpexError
 
@@ -27,14 +28,18 @@ from dpex.errors import DpexError
               show_envvar=True, help="Seconds between heartbeats to the dispatcher.")
 @click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
-@click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL", show_envvar=True)
+@message_limit_option(1024, "Largest batch sent, in MiB; a bigger batch is an error for the trainer "
+                      "(at most 1024: what trainers accept).")
+@metrics_option
+@log_options
 @auth_options
 @click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
               help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
-         log_level: str, auth_token_file: str | None, allow_unauthenticated: bool,
+         max_message_mb: float, metrics_port: int | None, log_level: str, log_format: str,
+         auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
     """Run a Dpex worker. It registers with the dispatcher, takes splits of
     the trainers' plans, builds each job's dataset from its own local files,
@@ -44,7 +49,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
     Example:
       dpex-worker --dispatcher 10.0.0.1:7070 --processes 8
     """
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     from dpex.worker.server import WorkerServer
     try:
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
@@ -52,7 +57,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
                               allow_unauthenticated=allow_unauthenticated,
-                              tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca)
+                              tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca,
+                              max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port)
         server = WorkerServer(config)
     except DpexError as e:
         fail(str(e))

@@ -10,7 +10,8 @@ from dpex.config import DispatcherConfig
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.auth import server_credentials
-from dpex.rpc import SERVER_OPTIONS, add_health, listen, server_interceptors
+from dpex.metrics import MetricsServer, dispatcher_metrics
+from dpex.rpc import add_health, listen, server_interceptors, server_options
 
 log = logging.getLogger("dpex.dispatcher")
 
@@ -24,13 +25,20 @@ class DispatcherServer:
         # Heartbeats long-poll, so every worker can hold a thread.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=256,
                                                               thread_name_prefix="dpex-rpc"),
-                                   options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
+                                   options=server_options(config.max_message_bytes), interceptors=server_interceptors(config.auth_token))
         dgrpc.add_DispatcherServicer_to_server(self.service, self._server)
         self._health = add_health(self._server, "dpex.v1.Dispatcher")
         self.port = listen(self._server, f"{config.host}:{config.port}",
                            server_credentials(config.tls_cert_file, config.tls_key_file))
-        self._server.start()
         self._closed = False
+        try:
+            self.metrics = (MetricsServer(config.host, config.metrics_port,
+                                          lambda: dispatcher_metrics(self.service.status()))
+                            if config.metrics_port is not None else None)
+        except BaseException:
+            self.service.close()
+            raise
+        self._server.start()
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
         self.address = f"{host}:{self.port}"
         log.info("dispatcher listening on %s:%d (%s); %s", config.host, self.port,
@@ -48,5 +56,7 @@ class DispatcherServer:
             return
         self._closed = True
         self._health.enter_graceful_shutdown()  # probes see NOT_SERVING from here on
+        if self.metrics is not None:
+            self.metrics.close()
         self.service.close()
         self._server.stop(grace_s).wait()

@@ -14,6 +14,7 @@ from dpex.config import DispatcherConfig
 from dpex.dispatcher.journal import Journal
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.auth import is_loopback_peer
+from dpex.log import fields
 from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
@@ -46,6 +47,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._cond = threading.Condition()
         self._last_seen: dict[str, float] = {}
         self._consumer_seen: dict[tuple[int, int], float] = {}  # (job, consumer) -> last sync
+        self._loads: dict[str, dpb.WorkerLoad] = {}  # worker id -> its last reported load
+        self._started = time.monotonic()
         self._journal = Journal(config.work_dir) if config.work_dir else None
         if self._journal is not None:
             count = 0
@@ -90,16 +93,18 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 for worker in self._state.alive_workers():
                     seen = self._last_seen.get(worker.worker_id, now)
                     if now - seen > self._config.heartbeat_timeout_s:
-                        log.warning("worker %s at %s missed its heartbeat timeout (%.1fs); marking it lost",
-                                    worker.worker_id, worker.address, self._config.heartbeat_timeout_s)
+                        log.warning("worker missed its heartbeat timeout (%.1fs); marking it lost",
+                                    self._config.heartbeat_timeout_s,
+                                    extra=fields(worker_id=worker.worker_id, address=worker.address,
+                                                 splits_replanned=len(worker.held)))
                         self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
                 for (job_id, consumer), seen in list(self._consumer_seen.items()):
                     if now - seen > self._config.consumer_timeout_s:
                         del self._consumer_seen[(job_id, consumer)]
                         if self._state.has_live_plan(job_id, consumer):
-                            log.warning("consumer %d of job %d has not synced for %.0fs; releasing its "
-                                        "plan (its workers drop what they hold for it)",
-                                        consumer, job_id, self._config.consumer_timeout_s)
+                            log.warning("consumer has not synced for %.0fs; releasing its plan (its "
+                                        "workers drop what they hold for it)", self._config.consumer_timeout_s,
+                                        extra=fields(job_id=job_id, consumer=consumer))
                             self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
                                                                              consumer_index=consumer))
 
@@ -112,7 +117,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
         with self._cond:
             self._apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
             self._last_seen[worker_id] = time.monotonic()
-        log.info("worker %s registered at %s", worker_id, request.address)
+            for gone in set(self._loads) - set(self._state.workers):  # replaced on this address
+                del self._loads[gone]
+        log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address))
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
     @servicer_method
@@ -124,6 +131,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
             self._last_seen[worker.worker_id] = time.monotonic()
+            self._loads[worker.worker_id] = request.load
             response = dpb.WorkerHeartbeatResponse(
                 release_split_ids=self._state.releasable(worker.worker_id, list(held)))
             # Long-poll: answer as soon as there is work, so a plan starts within
@@ -152,8 +160,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
         with self._cond:
             worker = self._state.workers.get(request.worker_id)
             if worker is not None and worker.alive:
-                log.info("worker %s at %s is leaving; re-planning its %d splits", worker.worker_id,
-                         worker.address, len(worker.held))
+                log.info("worker is leaving; re-planning its splits",
+                         extra=fields(worker_id=worker.worker_id, address=worker.address,
+                                      splits_replanned=len(worker.held)))
                 self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
         return dpb.DeregisterWorkerResponse()
 
@@ -184,7 +193,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
             job_id = secrets.randbits(63)
             self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job, fingerprint=fingerprint))
-        log.info("created job %d%s", job_id, f" ({job.name})" if job.name else "")
+        log.info("job created", extra=fields(job_id=job_id, job_name=job.name,
+                                             consumers=job.num_consumers, peer=context.peer()))
         return dpb.GetOrCreateJobResponse(job_id=job_id, created=True)
 
     def _job(self, job_id: int):
@@ -203,6 +213,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def SubmitPlan(self, request, context):
         if request.num_streams and request.batches:
             raise DpexConfigError("a plan has either batches or streams, not both")
+        if len(request.batches) > self._config.max_plan_batches:
+            raise DpexConfigError(f"a plan of {len(request.batches)} batches is over this dispatcher's "
+                                  f"limit of {self._config.max_plan_batches} (--max-plan-batches)")
         digest = plan_hash(request.batches, request.base_seed, request.num_streams)
         with self._cond:
             job = self._job(request.job_id)
@@ -224,6 +237,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches,
                 base_seed=request.base_seed, num_streams=request.num_streams))
+            log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
+                                                    epoch=request.epoch, batches=plan.num_batches,
+                                                    splits=len(plan.split_ids)))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method
@@ -278,19 +294,33 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def GetStatus(self, request, context):
+        return self.status()
+
+    def status(self) -> dpb.GetStatusResponse:
+        """Workers, jobs and counters, for `dpex status` and the metrics endpoint."""
         now = time.monotonic()
-        response = dpb.GetStatusResponse()
+        state = self._state
         with self._cond:
-            for w in self._state.workers.values():
+            response = dpb.GetStatusResponse(splits_assigned_total=state.splits_assigned_total,
+                                             splits_reassigned_total=state.splits_reassigned_total,
+                                             uptime_s=now - self._started)
+            for w in state.workers.values():
                 response.workers.add(worker_id=w.worker_id, address=w.address,
                                      state="alive" if w.alive else "lost", splits_held=len(w.held),
-                                     seconds_since_heartbeat=now - self._last_seen.get(w.worker_id, now))
-            for job in self._state.jobs.values():
-                live = [s for s in self._state.splits.values() if s.job_id == job.job_id]
+                                     seconds_since_heartbeat=now - self._last_seen.get(w.worker_id, now),
+                                     load=self._loads.get(w.worker_id))
+            live: dict[int, list[bool]] = {job_id: [] for job_id in state.jobs}
+            for split in state.splits.values():
+                live[split.job_id].append(split.worker_id is not None)
+            for job in state.jobs.values():
+                plans = job.plans
                 response.jobs.add(job_id=job.job_id, name=job.definition.name,
                                   num_consumers=job.definition.num_consumers,
                                   batches_planned=job.batches_planned,
                                   batches_delivered=job.batches_delivered,
-                                  splits_unassigned=sum(1 for s in live if s.worker_id is None),
-                                  splits_assigned=sum(1 for s in live if s.worker_id is not None))
+                                  splits_unassigned=live[job.job_id].count(False),
+                                  splits_assigned=live[job.job_id].count(True),
+                                  consumers_active=sum(state.has_live_plan(job.job_id, c) for c in plans),
+                                  epochs=[plans[c].epoch if c in plans else 0
+                                          for c in range(job.definition.num_consumers)])
         return response

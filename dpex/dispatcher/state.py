@@ -74,6 +74,8 @@ class DispatcherState:
         self.splits: dict[int, Split] = {}          # live: not delivered, not cancelled
         self.unassigned: dict[int, set[int]] = {}   # job id -> split ids
         self.next_split_id = 1
+        self.splits_assigned_total = 0    # counters for metrics; replay rebuilds them too
+        self.splits_reassigned_total = 0
 
     # ---- the one entry point for changes ---------------------------------
     def apply(self, update: jpb.Update) -> Any:
@@ -177,6 +179,7 @@ class DispatcherState:
         self.unassigned[split.job_id].discard(split.split_id)
         split.worker_id = worker.worker_id
         worker.held.add(split.split_id)
+        self.splits_assigned_total += 1
 
     def _lose(self, worker: Worker) -> None:
         worker.alive = False
@@ -184,6 +187,7 @@ class DispatcherState:
             split = self.splits[split_id]
             split.worker_id = None
             self.unassigned[split.job_id].add(split_id)
+        self.splits_reassigned_total += len(worker.held)
         worker.held.clear()
 
     def _drop(self, split: Split) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,23 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 30.0, what: str 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.02)
+
+
+def status_tables(text: str) -> dict[str, list[dict[str, str]]]:
+    """`dpex status` output as {"WORKERS": rows, "JOBS": rows}, a row being {column: cell}."""
+    out: dict[str, list[dict[str, str]]] = {}
+    title, header = None, None
+    for line in text.splitlines():
+        if line.startswith(("WORKERS", "JOBS")):
+            title, header = line.split()[0], None
+            out[title] = []
+        elif title and line.strip():
+            cells = re.split(r"\s{2,}", line.strip())
+            if header is None:
+                header = cells
+            else:
+                out[title].append(dict(zip(header, cells)))
+    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -12,6 +12,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import call, channel
 from dpex.worker.scheduler import Scheduler
+from dpex.log import fields, set_context
 
 log = logging.getLogger("dpex.worker")
 
@@ -46,8 +47,9 @@ class DispatcherAgent:
                              dpb.RegisterWorkerRequest(address=self._address), timeout_s=10)
         self.worker_id = response.worker_id
         self.registered.set()
-        log.info("registered with dispatcher %s as %s (serving on %s)",
-                 self._config.dispatcher, self.worker_id, self._address)
+        set_context(worker_id=self.worker_id)
+        log.info("registered with the dispatcher",
+                 extra=fields(dispatcher=self._config.dispatcher, address=self._address))
 
     def ensure_job(self, job_id: int) -> None:
         path = self.job_path(job_id)
@@ -63,18 +65,23 @@ class DispatcherAgent:
         interval = self._config.heartbeat_interval_s
         while not self._stop.is_set():
             want = self._scheduler.free_capacity(self._config.max_held_splits)
+            ready, running = self._scheduler.depth()
+            load = self._scheduler.meter.load(ready, running, self._scheduler.meter.window())
             request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
-                                                 held_split_ids=self._scheduler.held_split_ids())
+                                                 held_split_ids=self._scheduler.held_split_ids(), load=load)
             try:
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10)
                 self._scheduler.release(response.release_split_ids)
                 for split in response.splits:
+                    log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,
+                                                          consumer=split.consumer_index, epoch=split.epoch,
+                                                          first_seq=split.first_seq, batches=len(split.batches)))
                     self.ensure_job(split.job_id)
                     self._scheduler.add_split(split)
             except DpexNotFoundError:
                 if self._stop.is_set():
                     return
-                log.warning("the dispatcher no longer knows worker %s; registering again", self.worker_id)
+                log.warning("the dispatcher no longer knows this worker; registering again")
                 self._scheduler.release_all()
                 try:
                     self._register()

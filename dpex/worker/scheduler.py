@@ -18,8 +18,10 @@ from typing import Callable, NamedTuple
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
+from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, Task, crash_frame, produce
 from dpex.worker.stream import StreamRunner
+from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
 
@@ -53,8 +55,10 @@ def not_assigned_frame(key: Key) -> bytes:
 
 class Scheduler:
     def __init__(self, pool: BatchPool, job_path: Callable[[int], str], *, buffer_batches: int,
-                 max_inflight: int, worker_address: str, unknown_grace_s: float = 5.0) -> None:
+                 max_inflight: int, worker_address: str, meter: Meter | None = None,
+                 unknown_grace_s: float = 5.0) -> None:
         self._pool = pool
+        self.meter = meter or Meter(max_inflight)
         self._job_path = job_path
         self._buffer = buffer_batches
         self._max_inflight = max_inflight
@@ -233,16 +237,20 @@ class Scheduler:
                 except RuntimeError:  # closing
                     return
                 self._running[key] = future
+                self.meter.running(len(self._running))
                 future.add_done_callback(lambda f, key=key, task=task: self._done(key, task, f))
 
     def _done(self, key: Key, task: Task, future: Future) -> None:
         try:
             frame = future.result()
         except Exception as e:
-            log.error("batch %s failed in the pool: %s", key, e)
+            log.error("batch failed in the pool: %s", e,
+                      extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
             frame = crash_frame(task, e, self._address)
+        self.meter.produced(len(frame))
         with self._cond:
             self._running.pop(key, None)
+            self.meter.running(len(self._running))
             self._cond.notify_all()
             if key not in self._where:
                 return  # released meanwhile

@@ -9,11 +9,15 @@ from concurrent import futures
 
 import grpc
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex.auth import server_credentials
-from dpex.rpc import SERVER_OPTIONS, add_health, listen, server_interceptors
+from dpex.metrics import MetricsServer, load_metrics
+from dpex.rpc import add_health, listen, server_interceptors, server_options
 from dpex.worker.agent import DispatcherAgent
+from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
 from dpex.worker.service import WorkerService
@@ -60,23 +64,29 @@ class WorkerServer:
         self._closed = False
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
                                                               thread_name_prefix="dpex-rpc"),
-                                   options=SERVER_OPTIONS, interceptors=server_interceptors(config.auth_token))
+                                   # trainers send only small requests
+                                   options=server_options(4 << 20), interceptors=server_interceptors(config.auth_token))
         port = listen(self._server, f"{config.host}:{config.port}",
                       server_credentials(config.tls_cert_file, config.tls_key_file))
         self.address = f"{advertised_host(config)}:{port}"
         self._job_dir = tempfile.TemporaryDirectory(prefix="dpex-worker-")
         self.pool = BatchPool(config.processes, self.address)
         self.agent: DispatcherAgent | None = None
+        self.metrics: MetricsServer | None = None
         try:
             self.scheduler = Scheduler(self.pool, self._job_path,
                                        buffer_batches=config.buffer_batches,
                                        max_inflight=2 * config.processes,
-                                       worker_address=self.address)
-            self._server.add_generic_rpc_handlers((WorkerService(self.scheduler, self._inspect).handler(),))
+                                       worker_address=self.address, meter=Meter(config.processes))
+            service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
+                                    worker_address=self.address)
+            self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir.name)
             self.agent.start()
+            if config.metrics_port is not None:
+                self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
         except BaseException:
             self.close()
             raise
@@ -84,6 +94,16 @@ class WorkerServer:
                  "TLS" if config.tls_cert_file else "plaintext", config.processes,
                  "auth: a token is required on every call" if config.auth_token else
                  "auth: NONE - anyone who can reach this port may fetch batches")
+
+    def _metrics(self) -> list:
+        meter = self.scheduler.meter
+        ready, running = self.scheduler.depth()
+        held = GaugeMetricFamily("dpex_worker_splits_held", "Splits this worker holds.")
+        held.add_metric([], len(self.scheduler.held_split_ids()))
+        busy = CounterMetricFamily("dpex_worker_busy_seconds", "Process-seconds spent producing batches.")
+        busy.add_metric([], meter.busy_seconds())
+        return [held, busy, *load_metrics([([], meter.load(ready, running, meter.busy_fraction))],
+                                          "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None
@@ -107,6 +127,8 @@ class WorkerServer:
             self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while we drain
         if self.agent is not None:
             self.agent.close(deregister=True)
+        if self.metrics is not None:
+            self.metrics.close()
         self._server.stop(grace_s).wait()
         if hasattr(self, "scheduler"):
             self.scheduler.close()

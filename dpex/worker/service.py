@@ -11,6 +11,7 @@ import grpc
 
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
+from dpex.wire import build_frame, parse_frame
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")
@@ -18,10 +19,26 @@ log = logging.getLogger("dpex.worker")
 _SERVICE = "dpex.v1.Worker"
 
 
+def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
+    """The error frame sent instead of a batch bigger than the worker's limit."""
+    meta, _ = parse_frame(frame)
+    error = wpb.Batch(job_id=meta.job_id, consumer_index=meta.consumer_index, epoch=meta.epoch, seq=meta.seq)
+    error.error.CopyFrom(wpb.RemoteError(
+        type="DpexWireError", stage="send", sample_index=-1, worker=worker_address,
+        message=f"the batch is {len(frame) / 2**20:.1f} MiB, over this worker's message limit of "
+                f"{limit / 2**20:.1f} MiB (dpex-worker --max-message-mb); use smaller batches "
+                "or raise the limit (trainers accept up to 1 GiB)"))
+    return build_frame(error)
+
+
 class WorkerService:
-    def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes]) -> None:
+    def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
+                 max_frame_bytes: int, worker_address: str) -> None:
         self._scheduler = scheduler
         self._inspect = inspect
+        self._max_frame = max_frame_bytes
+        self._address = worker_address
+        self._meter = scheduler.meter
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Responses are pre-serialized Batch frames built by the pool's
@@ -51,11 +68,16 @@ class WorkerService:
         # The reader ends with the RPC (its iterator ends or raises).
         reader = threading.Thread(target=read, name="dpex-fetch-reader", daemon=True)
         reader.start()
+        self._meter.stream(+1)
         try:
             while True:
                 frame = out.get()
                 if frame is None:
                     return
+                if len(frame) > self._max_frame:
+                    frame = oversize_frame(frame, self._max_frame, self._address)
+                self._meter.sent(len(frame))
                 yield frame
         finally:
+            self._meter.stream(-1)
             self._scheduler.cancel(sink)

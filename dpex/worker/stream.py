@@ -17,6 +17,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, encode_parts, frame_parts, parse_frame
 from dpex.worker import pool
+from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
 
@@ -149,8 +150,8 @@ class StreamRunner:
             with self._cond:
                 if frame is None or self._closed:
                     if self._end is None and not self._closed:
-                        log.error("stream %s of job %s ended without its end marker",
-                                  self._split["stream"], self._split["job_id"])
+                        log.error("stream ended without its end marker",
+                                  extra=fields(job_id=self._split["job_id"], stream=self._split["stream"]))
                     return
                 j = self._received
                 self._received += 1

@@ -1,4 +1,5 @@
 """The command-line tools, run as a user runs them."""
+import json
 import os
 import signal
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 import dpex
-from dpex.testing import test_cluster, wait_until
+from dpex.testing import status_tables as tables, test_cluster, wait_until
 
 BIN = os.path.dirname(sys.executable)
 
@@ -35,16 +36,21 @@ def test_status_shows_workers_and_delivered_batches(cluster):
         assert len(list(dl)) == 3
     out = run("dpex", "status", "--dispatcher", cluster.address)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0] == "WORKERS (2 alive)"
-    for address in cluster.worker_addresses:
-        assert any(address in line and "alive" in line for line in lines)
-    job = next(line.split() for line in lines if "status-demo" in line)
-    assert job[2:5] == ["1", "3", "3"]  # consumers, planned, delivered
-    # The flag also comes from the environment.
-    from_env = run("dpex", "status", env={"DPEX_DISPATCHER": cluster.address}).stdout.splitlines()
-    jobs_table = lambda ls: ls[next(i for i, l in enumerate(ls) if l.startswith("JOBS")):]
-    assert from_env[0] == lines[0] and jobs_table(from_env) == jobs_table(lines)
+    assert "WORKERS (2 alive, 0 lost)" in out.stdout
+    got = tables(out.stdout)
+    assert sorted(w["ADDRESS"] for w in got["WORKERS"]) == sorted(cluster.worker_addresses)
+    assert {w["STATE"] for w in got["WORKERS"]} == {"alive"}
+    # Workers report their load with each heartbeat: the 3 batches were produced and sent.
+    wait_until(lambda: sum(int(w["SENT"]) for w in tables(run(
+        "dpex", "status", "--dispatcher", cluster.address).stdout)["WORKERS"]) >= 3, 30, "loads reported")
+    job = next(j for j in got["JOBS"] if j["NAME"] == "status-demo")
+    assert (job["CONSUMERS"], job["PLANNED"], job["DELIVERED"], job["DONE"]) == ("0 active / 1", "3", "3", "100%")
+    # The flag also comes from the environment; --json gives the same figures.
+    from_env = run("dpex", "status", env={"DPEX_DISPATCHER": cluster.address}).stdout
+    assert tables(from_env)["JOBS"] == got["JOBS"]
+    as_json = json.loads(run("dpex", "status", "--dispatcher", cluster.address, "--json").stdout)
+    job = next(j for j in as_json["jobs"] if j["name"] == "status-demo")
+    assert (job["batchesPlanned"], job["batchesDelivered"]) == ("3", "3")
 
 
 def test_status_of_an_unreachable_dispatcher():
@@ -75,7 +81,7 @@ def test_dispatcher_reads_its_port_from_the_environment(tmp_path):
         wait_until(ready.exists, 30, "the dispatcher to serve")
         address = ready.read_text()
         assert address.startswith("127.0.0.1:") and address != "127.0.0.1:0"
-        assert run("dpex", "status", "--dispatcher", address).stdout.startswith("WORKERS (0 alive)")
+        assert "WORKERS (0 alive, 0 lost)" in run("dpex", "status", "--dispatcher", address).stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

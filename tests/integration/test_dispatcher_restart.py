@@ -7,7 +7,7 @@ import os
 import pytest
 
 import dpex
-from dpex.testing import test_cluster
+from dpex.testing import status_tables, test_cluster
 
 N, B = 200, 4
 EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
@@ -26,9 +26,9 @@ def test_restart_with_work_dir_completes_the_epoch_exactly_once(tmp_path):
                 assert got == EXPECTED
         status = subprocess.run([os.path.join(os.path.dirname(sys.executable), "dpex"), "status",
                                  "--dispatcher", c.address], capture_output=True, text=True)
-        job = next(line.split() for line in status.stdout.splitlines() if "survivor" in line)
-        assert job[3:5] == [str(2 * len(EXPECTED))] * 2  # planned == delivered, over both epochs
-        assert status.stdout.splitlines()[0] == "WORKERS (2 alive)"
+        job = next(j for j in status_tables(status.stdout)["JOBS"] if j["NAME"] == "survivor")
+        assert job["PLANNED"] == job["DELIVERED"] == str(2 * len(EXPECTED))  # over both epochs
+        assert "WORKERS (2 alive, 0 lost)" in status.stdout
 
 
 def test_restart_without_work_dir_fails_clearly(tmp_path):

@@ -1,0 +1,70 @@
+"""What a loader measures on the trainer's side: how fast batches come and
+how long the trainer waited for them; see :meth:`RemoteDataLoader.stats`."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+INPUT_BOUND_WAIT_FRACTION = 0.1  # waiting more than this share of the time: data is the bottleneck
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Trainer-side figures since the loader started (or the last reset).
+
+    ``elapsed_s`` counts time inside epochs only (from the first ``next()``
+    of an epoch to its last batch); ``wait_s`` is the part of it the trainer
+    spent blocked in ``next()``. ``workers_needed`` is how many workers of
+    the measured speed would keep the trainer from waiting.
+    """
+    batches: int
+    bytes_received: int
+    elapsed_s: float
+    wait_s: float
+    batches_per_s: float
+    wait_fraction: float
+    input_bound: bool
+    workers_alive: int
+    workers_needed: int
+
+
+class StatsMeter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+        self.workers_alive = 0
+
+    def _reset(self) -> None:
+        self._batches = self._bytes = 0
+        self._elapsed = self._wait = 0.0
+        self._last: tuple[object, float] | None = None  # (epoch fetcher, time of its last batch)
+
+    def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
+        """A batch returned from ``next()`` called at ``asked_at``."""
+        now = time.monotonic()
+        with self._lock:
+            since = self._last[1] if self._last is not None and self._last[0] is epoch else asked_at
+            self._last = (epoch, now)
+            self._elapsed += now - since
+            self._wait += now - asked_at
+            self._batches += 1
+            self._bytes += nbytes
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        with self._lock:
+            elapsed, wait, batches = self._elapsed, self._wait, self._batches
+            computing = elapsed - wait  # the trainer's own time between batches
+            fraction = wait / elapsed if elapsed > 0 else 0.0
+            alive = self.workers_alive
+            # Workers deliver batches / elapsed; the trainer could take batches / computing.
+            bound = fraction > INPUT_BOUND_WAIT_FRACTION
+            needed = math.ceil(alive * elapsed / computing - 1e-9) if bound and computing > 0 else alive
+            result = LoaderStats(batches=batches, bytes_received=self._bytes, elapsed_s=elapsed, wait_s=wait,
+                                 batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
+                                 wait_fraction=fraction, input_bound=bound,
+                                 workers_alive=alive, workers_needed=needed)
+            if reset:
+                self._reset()
+            return result

@@ -1,0 +1,108 @@
+"""Prometheus metrics of the daemons (``--metrics-port``, prometheus-client).
+
+Each daemon has its own registry with one collector that reads the daemon's
+state when scraped, so nothing on the hot path updates metric objects and
+the dispatcher's state machine stays pure.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dpex.errors import DpexConfigError
+from dpex.proto import dispatcher_pb2 as dpb
+
+log = logging.getLogger("dpex.metrics")
+
+
+class _Snapshot(Collector):
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._collect())
+
+
+class MetricsServer:
+    """An HTTP endpoint serving ``/metrics`` from ``collect``; ``port`` is where."""
+
+    def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]]) -> None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(collect))
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise DpexConfigError(f"cannot serve metrics on {host}:{port}: {e}") from None
+        self.port = self._server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
+                 labels: list[str]) -> list[Metric]:
+    """Per-worker load, from a worker itself (no labels) or from the heartbeats
+    the dispatcher received (labelled by worker)."""
+    families = {
+        "busy_fraction": _gauge(f"{prefix}busy_fraction", "Fraction of the batch processes' time spent "
+                                "producing batches (last heartbeat window).", labels),
+        "buffer_batches": _gauge(f"{prefix}buffer_batches", "Finished batches waiting for a request.", labels),
+        "running_batches": _gauge(f"{prefix}running_batches", "Batches being produced.", labels),
+        "processes": _gauge(f"{prefix}processes", "Batch-producing processes.", labels),
+        "fetch_streams": _gauge(f"{prefix}fetch_streams", "Open Fetch streams from trainers.", labels),
+        "batches_produced": _counter(f"{prefix}batches_produced", "Batches produced.", labels),
+        "bytes_produced": _counter(f"{prefix}bytes_produced", "Bytes of batch frames produced.", labels),
+        "batches_sent": _counter(f"{prefix}batches_sent", "Batch frames sent to trainers.", labels),
+        "bytes_sent": _counter(f"{prefix}bytes_sent", "Bytes of batch frames sent to trainers.", labels),
+    }
+    for values, load in loads:
+        for field, family in families.items():
+            family.add_metric(values, float(getattr(load, field)))
+    return list(families.values())
+
+
+def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
+    workers = _gauge("dpex_workers", "Registered workers by state.", ["state"])
+    for state in ("alive", "lost"):
+        workers.add_metric([state], sum(w.state == state for w in status.workers))
+    jobs = _gauge("dpex_jobs", "Jobs the dispatcher knows.")
+    jobs.add_metric([], len(status.jobs))
+    assigned = _counter("dpex_splits_assigned", "Splits handed to workers.")
+    assigned.add_metric([], status.splits_assigned_total)
+    reassigned = _counter("dpex_splits_reassigned", "Splits taken back from lost or leaving workers.")
+    reassigned.add_metric([], status.splits_reassigned_total)
+    job_labels = ["job_id", "job_name"]
+    planned = _counter("dpex_job_batches_planned", "Batches planned by the job's trainers.", job_labels)
+    delivered = _counter("dpex_job_batches_delivered", "Batches trainers acknowledged.", job_labels)
+    pending = _gauge("dpex_job_splits", "Live splits of the job by state.", [*job_labels, "state"])
+    consumers = _gauge("dpex_job_consumers_active", "Consumers with an epoch in progress.", job_labels)
+    for j in status.jobs:
+        ids = [str(j.job_id), j.name]
+        planned.add_metric(ids, j.batches_planned)
+        delivered.add_metric(ids, j.batches_delivered)
+        pending.add_metric([*ids, "assigned"], j.splits_assigned)
+        pending.add_metric([*ids, "unassigned"], j.splits_unassigned)
+        consumers.add_metric(ids, j.consumers_active)
+    heartbeat = _gauge("dpex_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
+                       ["worker_id", "address"])
+    alive = [w for w in status.workers if w.state == "alive"]
+    for w in alive:
+        heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
+    loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
+                         ["worker_id", "address"])
+    return [workers, jobs, assigned, reassigned, planned, delivered, pending, consumers, heartbeat, *loads]

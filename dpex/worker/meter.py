@@ -1,0 +1,74 @@
+"""What a worker counts about its own work: batches and bytes produced and
+sent, and how busy its processes are. The heartbeat reports it to the
+dispatcher (for ``dpex status``) and the metrics endpoint exports it."""
+from __future__ import annotations
+
+import threading
+import time
+
+from dpex.proto import dispatcher_pb2 as dpb
+
+
+class Meter:
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._lock = threading.Lock()
+        self.batches_produced = 0
+        self.bytes_produced = 0
+        self.batches_sent = 0
+        self.bytes_sent = 0
+        self.fetch_streams = 0
+        self.busy_s = 0.0             # process-seconds spent producing batches
+        self._running = 0
+        self._since = time.monotonic()
+        self._window = (self._since, 0.0)  # (time, busy_s) at the last window() call
+        self.busy_fraction = 0.0      # as of the last window() call
+
+    def _integrate(self, now: float) -> None:
+        self.busy_s += min(self._running, self.processes) * (now - self._since)
+        self._since = now
+
+    def running(self, count: int) -> None:
+        """The number of batches being produced changed to ``count``."""
+        with self._lock:
+            self._integrate(time.monotonic())
+            self._running = count
+
+    def produced(self, nbytes: int) -> None:
+        with self._lock:
+            self.batches_produced += 1
+            self.bytes_produced += nbytes
+
+    def sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.batches_sent += 1
+            self.bytes_sent += nbytes
+
+    def stream(self, delta: int) -> None:
+        with self._lock:
+            self.fetch_streams += delta
+
+    def busy_seconds(self) -> float:
+        with self._lock:
+            self._integrate(time.monotonic())
+            return self.busy_s
+
+    def window(self, min_s: float = 0.5) -> float:
+        """The busy fraction of the processes over the last window of at
+        least ``min_s`` (heartbeats can follow each other within milliseconds)."""
+        with self._lock:
+            now = time.monotonic()
+            self._integrate(now)
+            then, busy_then = self._window
+            if now - then >= min_s:
+                self._window = (now, self.busy_s)
+                self.busy_fraction = (self.busy_s - busy_then) / ((now - then) * self.processes)
+            return self.busy_fraction
+
+    def load(self, buffer_batches: int, running_batches: int, busy_fraction: float) -> dpb.WorkerLoad:
+        with self._lock:
+            return dpb.WorkerLoad(processes=self.processes, busy_fraction=busy_fraction,
+                                  buffer_batches=buffer_batches, running_batches=running_batches,
+                                  batches_produced=self.batches_produced, bytes_produced=self.bytes_produced,
+                                  batches_sent=self.batches_sent, bytes_sent=self.bytes_sent,
+                                  fetch_streams=self.fetch_streams)

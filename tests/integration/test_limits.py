@@ -1,0 +1,100 @@
+"""Size limits and corrupt batch frames: each refused with a clear error;
+a corrupt frame is asked for again, so a flaky worker loses nothing."""
+import pytest
+
+import dpex
+from dpex.config import WorkerConfig
+from dpex.testing import test_cluster
+from dpex.wire import frame_parts, parse_frame
+from dpex.worker.server import WorkerServer
+from dpex.worker.service import WorkerService
+
+N, B = 48, 4
+EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
+
+
+def squares(n=N, dim=3):
+    return dpex.DatasetSpec("dpex.testing.datasets:Squares", n=n, dim=dim)
+
+
+def test_a_batch_over_the_workers_message_limit_is_a_clear_error():
+    # 4 x 20000 float32 per batch = 320 kB, over a 0.1 MiB limit.
+    with test_cluster(num_workers=1, worker_flags=("--max-message-mb", "0.1")) as c:
+        with dpex.RemoteDataLoader(c.address, squares(8, dim=20000), batch_size=4, timeout=30) as dl:
+            with pytest.raises(dpex.DpexWorkerError, match=r"over this worker's message limit of 0.1 MiB") as e:
+                list(dl)
+        assert e.value.stage == "send"
+        # The worker goes on serving batches that fit.
+        with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30) as dl:
+            assert [b["y"].tolist() for b in dl] == EXPECTED
+
+
+def test_plan_and_message_limits_of_the_dispatcher():
+    flags = ("--max-plan-batches", "10", "--max-message-mb", "0.01")
+    with test_cluster(num_workers=1, dispatcher_flags=flags) as c:
+        with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30) as dl:
+            with pytest.raises(dpex.DpexConfigError, match="a plan of 12 batches is over this dispatcher's "
+                                                           r"limit of 10 \(--max-plan-batches\)"):
+                iter(dl)
+        # A plan of 8 batches of 2500 indices (~60 kB) is over 10 kB: refused before any servicer runs.
+        with dpex.RemoteDataLoader(c.address, squares(20000), batch_size=2500, timeout=30) as dl:
+            with pytest.raises(dpex.DpexConfigError, match="refused a message over its size limit"):
+                iter(dl)
+        with dpex.RemoteDataLoader(c.address, squares(40), batch_size=B, timeout=30) as dl:
+            assert len(list(dl)) == 10  # still serving
+
+
+def corrupting(how, count):
+    """A WorkerService.Fetch that spoils the first ``count`` batch frames."""
+    original = WorkerService.Fetch
+    spoiled = []
+
+    def fetch(self, request_iterator, context):
+        for frame in original(self, request_iterator, context):
+            meta, payload = parse_frame(frame)
+            if len(payload) and len(spoiled) < count:
+                spoiled.append(meta.seq)
+                frame = how(frame, meta, payload)
+            yield frame
+    return fetch, spoiled
+
+
+def truncated_frame(frame, meta, payload):
+    return frame[:len(frame) - len(payload) // 2]  # the payload field says more than follows
+
+
+def truncated_payload(frame, meta, payload):
+    return b"".join(frame_parts(meta, [payload[:len(payload) // 2]]))  # a well-formed frame, bad payload
+
+
+@pytest.fixture
+def lying_worker(monkeypatch):
+    """A real worker daemon, in this process, whose Fetch answers are spoiled."""
+    servers = []
+
+    def start(cluster, how, count):
+        fetch, spoiled = corrupting(how, count)
+        monkeypatch.setattr(WorkerService, "Fetch", fetch)
+        servers.append(WorkerServer(WorkerConfig(dispatcher=cluster.address, host="127.0.0.1",
+                                                 processes=1, heartbeat_interval_s=0.2)))
+        return servers[-1], spoiled
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.parametrize("how", [truncated_frame, truncated_payload])
+def test_corrupt_frames_are_asked_for_again(lying_worker, how):
+    with test_cluster(num_workers=0) as c:
+        _, spoiled = lying_worker(c, how, count=2)
+        with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30) as dl:
+            assert [b["y"].tolist() for b in dl] == EXPECTED  # every batch once, in order
+        assert len(spoiled) == 2
+
+
+def test_a_worker_that_keeps_sending_corrupt_frames_fails_the_epoch_clearly(lying_worker):
+    with test_cluster(num_workers=0) as c:
+        server, _ = lying_worker(c, truncated_payload, count=10**6)
+        with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30) as dl:
+            with pytest.raises(dpex.DpexWireError, match=f"worker {server.address} sent 3 corrupt batch frames"):
+                list(dl)

@@ -1,0 +1,113 @@
+"""What operators and trainers see: Prometheus metrics on both daemons,
+loader.stats(), and structured log lines."""
+import json
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import dpex
+from dpex.testing import test_cluster, wait_until
+
+N, B = 96, 4
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a /metrics page."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == str(want) for k, want in labels.items()))
+
+
+def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
+    with test_cluster(num_workers=3, metrics=True) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=N, delay_s=0.005)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, job_name="observed", timeout=60) as dl:
+            got = []
+            for i, batch in enumerate(dl):
+                got += batch["y"].tolist()
+                if i == 4:
+                    mid = scrape(c.dispatcher.metrics_url)
+                    c.kill_worker(0)
+            assert got == list(range(N))
+            d = wait_until(lambda: (lambda m: m if total(m, "dpex_workers", state="lost") == 1 else None)(
+                scrape(c.dispatcher.metrics_url)), 30, "the lost worker in the metrics")
+        assert total(mid, "dpex_workers", state="alive") == 3
+        assert total(d, "dpex_workers", state="alive") == 2 and total(d, "dpex_jobs") == 1
+        job = dict(job_name="observed")
+        assert total(d, "dpex_job_batches_planned_total", **job) == N // B
+        assert total(d, "dpex_job_batches_delivered_total", **job) == N // B
+        # 12 splits of 2 batches; the killed worker's were taken back and assigned again.
+        assert total(d, "dpex_splits_assigned_total") >= 12
+        assert total(d, "dpex_splits_assigned_total") == 12 + total(d, "dpex_splits_reassigned_total")
+        # Each surviving worker's own endpoint agrees with what its heartbeats told the dispatcher.
+        survivors = c.workers[1:]
+        produced = [total(scrape(w.metrics_url), "dpex_worker_batches_produced_total") for w in survivors]
+        sent_bytes = [total(scrape(w.metrics_url), "dpex_worker_bytes_sent_total") for w in survivors]
+        assert sum(produced) > 0 and sum(sent_bytes) > 0
+        for w, count in zip(survivors, produced):
+            wait_until(lambda: total(scrape(c.dispatcher.metrics_url), "dpex_worker_batches_produced_total",
+                                     address=w.address) == count, 30, "the heartbeat report")
+            page = scrape(w.metrics_url)
+            assert total(page, "dpex_worker_processes") == 1
+            assert 0 <= total(page, "dpex_worker_busy_fraction") <= 1
+            assert total(page, "dpex_worker_busy_seconds_total") > 0
+
+
+def test_busy_fraction_and_buffer_depth_under_load():
+    with test_cluster(num_workers=1, metrics=True, buffer_batches=6) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=400, delay_s=0.01)
+        worker = c.workers[0]
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=60) as dl:
+            it = iter(dl)
+            next(it)
+            # The trainer takes nothing more: the worker fills its buffer, then idles.
+            wait_until(lambda: total(scrape(worker.metrics_url), "dpex_worker_buffer_batches") == 6, 30,
+                       "a full buffer")
+            # While the trainer drains fast, the single process is busy nearly all the time.
+            busiest = 0.0
+            for _ in it:
+                busiest = max(busiest, total(scrape(worker.metrics_url), "dpex_worker_busy_fraction"))
+        assert busiest > 0.5
+
+
+def test_loader_stats_tell_an_input_bound_trainer_from_a_compute_bound_one():
+    with test_cluster(num_workers=1) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=80, delay_s=0.01)  # 40 ms a batch
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=60) as dl:
+            for _ in dl:
+                time.sleep(0.005)  # the trainer is much faster than one process
+            fast = dl.stats(reset=True)
+            for _ in dl:
+                time.sleep(0.1)    # the trainer is the bottleneck: batches are ready when asked for
+            slow = dl.stats()
+    assert fast.batches == slow.batches == 20 and fast.bytes_received > 0
+    assert fast.input_bound and fast.wait_fraction > 0.5 and fast.workers_needed >= 3
+    assert fast.workers_alive == 1 and 0 < fast.batches_per_s < 40
+    assert not slow.input_bound and slow.workers_needed == 1
+    assert slow.elapsed_s >= 19 * 0.1 and slow.wait_s < slow.elapsed_s / 2
+
+
+def test_json_logs_carry_worker_and_job_ids():
+    flags = ("--log-format", "json")
+    with test_cluster(num_workers=1, dispatcher_flags=flags, worker_flags=flags) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=8)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=4, job_name="logged", timeout=30) as dl:
+            list(dl)
+        lines = [json.loads(line) for line in open(c.dispatcher.log_path) if line.startswith("{")]
+        worker_lines = [json.loads(line) for line in open(c.workers[0].log_path) if line.startswith("{")]
+    registered = next(e for e in lines if e["msg"] == "worker registered")
+    assert registered["level"] == "info" and registered["address"] == c.workers[0].address
+    created = next(e for e in lines if e["msg"] == "job created")
+    assert created["job_name"] == "logged" and created["job_id"] == dl.job_id
+    plan = next(e for e in lines if e["msg"] == "plan submitted")
+    assert (plan["job_id"], plan["consumer"], plan["epoch"], plan["batches"]) == (dl.job_id, 0, 0, 2)
+    # Every worker line after registration carries the worker's id.
+    assert all(e["worker_id"] == registered["worker_id"] for e in worker_lines
+               if e["msg"] != "registered with the dispatcher" and "worker serving" in e["msg"])
+    assert any(e["worker_id"] == registered["worker_id"] for e in worker_lines)
