@@ -44,8 +44,12 @@ test-integration: setup
 test-docker: setup
 	docker/test.sh
 
+# The performance suite: each script prints its figures and ratios from one run.
 bench: setup
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/scaleout.py
+	$(PY) benchmarks/dataplane.py
+	$(PY) benchmarks/first_batch.py
 
 clean:
 	rm -rf $(VENV) dpex/proto/*_pb2*.py dpex/proto/*_pb2*.pyi .data

@@ -4,7 +4,10 @@ CPU-heavy image pipeline, runs alternating in one process.
 
     .venv/bin/python benchmarks/overhead.py [--processes 2] [--images 1536] [--rounds 3]
 
-Prints samples/s of each run, the medians and their ratio (Dpex / torch).
+Prints samples/s of each run, the medians and their ratio (Dpex / torch);
+the trainer process's CPU per batch for both (for torch: its main process,
+which receives and unpickles the batches); and peak RSS of the trainer and
+of the Dpex worker (daemon + processes) against torch's worker processes.
 """
 from __future__ import annotations
 
@@ -19,14 +22,17 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
+from benchmarks.measure import cpu_s, peak_rss_mb, reset_peak, tree  # noqa: E402
 from benchmarks.pipeline import ImageFolder, make_images  # noqa: E402
 
 
-def epoch_rate(loader) -> float:
-    start, n = time.perf_counter(), 0
+def epoch_rate(loader) -> tuple[float, float]:
+    """samples/s, and this process's CPU ms per batch."""
+    cpu0, start, n, batches = cpu_s([os.getpid()]), time.perf_counter(), 0, 0
     for x, _ in loader:
         n += len(x)
-    return n / (time.perf_counter() - start)
+        batches += 1
+    return n / (time.perf_counter() - start), 1000 * (cpu_s([os.getpid()]) - cpu0) / batches
 
 
 def main() -> None:
@@ -48,18 +54,35 @@ def main() -> None:
         remote = dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec("benchmarks.pipeline:ImageFolder", root),
                                        batch_size=B, shuffle=True, timeout=300)
         epoch_rate(torch_loader), epoch_rate(remote)  # warm-up: workers, page cache, dataset build
+        me = os.getpid()
+        dpex_worker = tree(cluster.workers[0].process.pid)
+        cluster_pids = set(dpex_worker) | set(tree(cluster.dispatcher.process.pid))
+        workers = {"dpex": dpex_worker, "torch": [p for p in tree(me)[1:] if p not in cluster_pids]}
         rates: dict[str, list[float]] = {"torch": [], "dpex": []}
+        cpu: dict[str, list[float]] = {"torch": [], "dpex": []}
+        rss: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
             for name, loader in (("torch", torch_loader), ("dpex", remote)):
-                rates[name].append(epoch_rate(loader))
-                print(f"round {r + 1}: {name:5s} {rates[name][-1]:8.1f} samples/s", flush=True)
+                reset_peak([me, *workers[name]])
+                rate, cpu_ms = epoch_rate(loader)
+                rss[name] = (peak_rss_mb([me]), peak_rss_mb(workers[name]))
+                rates[name].append(rate)
+                cpu[name].append(cpu_ms)
+                print(f"round {r + 1}: {name:5s} {rate:8.1f} samples/s, trainer CPU {cpu_ms:6.1f} ms/batch",
+                      flush=True)
         remote.close()
     t, d = statistics.median(rates["torch"]), statistics.median(rates["dpex"])
+    tc, dc = statistics.median(cpu["torch"]), statistics.median(cpu["dpex"])
     print(f"\nimage pipeline, {args.images} PNGs {args.size}px -> 112px float, batch {B}, P={P} processes, "
           f"{os.cpu_count()} cores")
     print(f"torch DataLoader(num_workers={P}): {t:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader (1 worker x {P}): {d:8.1f} samples/s (median of {args.rounds})")
     print(f"ratio dpex/torch: {d / t:.3f}")
+    print(f"trainer CPU per batch: torch main process {tc:.1f} ms, dpex trainer {dc:.1f} ms "
+          f"(ratio {dc / tc:.2f})")
+    print(f"peak RSS MB (last round): trainer {rss['torch'][0]:.0f} (torch) / {rss['dpex'][0]:.0f} (dpex); "
+          f"workers {rss['torch'][1]:.0f} (torch's {P} processes) / {rss['dpex'][1]:.0f} (dpex daemon + "
+          f"{P} processes)")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,34 @@ class ImageFolder(Dataset):
                 im = im.transpose(Image.FLIP_LEFT_RIGHT)
         x = (np.asarray(im, dtype=np.float32) / 255.0 - MEAN) / STD
         return torch.from_numpy(x.transpose(2, 0, 1).copy()), i % 10
+
+
+class IOBound(Dataset):
+    """Each sample waits ``wait_s`` (a read from remote storage) and is a
+    small uint8 image; the CPU work is negligible."""
+
+    def __init__(self, n: int, wait_s: float = 0.005, size: int = 32) -> None:
+        self.n, self.wait_s, self.size = n, wait_s, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import time
+        time.sleep(self.wait_s)
+        return torch.full((3, self.size, self.size), i % 251, dtype=torch.uint8), i % 10
+
+
+class LargeBatches(Dataset):
+    """A trivial transform of big images: sample i is a fixed 3x224x224 image
+    (uint8 or float32) with one value changed, so data moves but no CPU work."""
+
+    def __init__(self, n: int, dtype: str = "uint8", size: int = 224) -> None:
+        self.n = n
+        self.image = torch.zeros((3, size, size), dtype=getattr(torch, dtype))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.image

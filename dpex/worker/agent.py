@@ -4,10 +4,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 from dpex.auth import load_ca
 from dpex.config import WorkerConfig
-from dpex.errors import DpexConnectionError, DpexError, DpexNotFoundError
+from dpex.errors import DpexCancelledError, DpexConnectionError, DpexError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import call, channel
@@ -26,6 +27,9 @@ class DispatcherAgent:
         self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._full_poll: Any = None  # the heartbeat in flight while we had no room for splits
+        scheduler.on_capacity = self._room_freed
         self.worker_id = ""
         self.registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpex-agent")
@@ -37,10 +41,24 @@ class DispatcherAgent:
     def job_path(self, job_id: int) -> str:
         return os.path.join(self._job_dir, f"job-{job_id}.pb")
 
-    def _rpc(self, method, request, timeout_s: float):
+    def _rpc(self, method, request, timeout_s: float, track=None):
         return call(method, request, target=f"dispatcher {self._config.dispatcher}",
                     timeout_s=timeout_s, retry_for_s=self._config.connect_timeout_s,
-                    stop=self._stop.is_set)
+                    stop=self._stop.is_set, track=track)
+
+    def _track_full_poll(self, future: Any) -> None:
+        with self._lock:
+            self._full_poll = future
+        if future is not None and self._scheduler.free_capacity(self._config.max_held_splits):
+            self._room_freed()  # room came between asking for none and this call starting
+
+    def _room_freed(self) -> None:
+        """A heartbeat that asked for no splits long-polls the dispatcher for an
+        interval; once there is room, cut it short and ask for splits."""
+        with self._lock:
+            if self._full_poll is not None:
+                self._full_poll.cancel()
+                self._full_poll = None
 
     def _register(self) -> None:
         response = self._rpc(self._stub.RegisterWorker,
@@ -70,7 +88,9 @@ class DispatcherAgent:
             request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
                                                  held_split_ids=self._scheduler.held_split_ids(), load=load)
             try:
-                response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10)
+                response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
+                                     track=self._track_full_poll if want == 0 else None)
+                self._track_full_poll(None)
                 self._scheduler.release(response.release_split_ids)
                 for split in response.splits:
                     log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,
@@ -78,6 +98,8 @@ class DispatcherAgent:
                                                           first_seq=split.first_seq, batches=len(split.batches)))
                     self.ensure_job(split.job_id)
                     self._scheduler.add_split(split)
+            except DpexCancelledError:  # cut short by _room_freed: ask again, now for splits
+                continue
             except DpexNotFoundError:
                 if self._stop.is_set():
                     return

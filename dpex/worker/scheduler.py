@@ -77,6 +77,7 @@ class Scheduler:
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
         self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._closed = False
+        self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
 
@@ -254,7 +255,10 @@ class Scheduler:
             self._cond.notify_all()
             if key not in self._where:
                 return  # released meanwhile
-            self._splits[self._where[key][0]].unproduced.discard(key)
+            entry = self._splits[self._where[key][0]]
+            entry.unproduced.discard(key)
+            if not entry.unproduced:
+                self.on_capacity()
             sinks = self._waiters.pop(key, None)
             if sinks:
                 for sink in sinks:
