@@ -18,6 +18,8 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, NamedTuple
 
 from dpex.procutil import die_with_parent
+from dpex.worker import handoff
+from dpex.worker.handoff import Handoff
 
 log = logging.getLogger("dpex.worker")
 
@@ -37,6 +39,8 @@ class Task(NamedTuple):
 # ---- child side ------------------------------------------------------------
 _worker_address = ""
 _child_index, _num_children = 0, 1
+_handoff_dir: str | None = None
+_produced = 0
 
 
 class _Job(NamedTuple):
@@ -59,12 +63,13 @@ _contexts: OrderedDict[tuple, _Context] = OrderedDict()
 _current: tuple | None = None
 
 
-def _init_child(worker_address: str, counter: Any, num_children: int) -> None:
-    global _child_index, _num_children
+def _init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None) -> None:
+    global _child_index, _num_children, _handoff_dir
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
     _num_children = num_children
+    _handoff_dir = handoff_dir
     init_process(worker_address)
 
 
@@ -145,8 +150,10 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
     return info
 
 
-def produce(task: Task) -> bytes:
-    """Runs in a child: returns a whole Batch frame, with a payload or an error."""
+def produce(task: Task) -> bytes | Handoff:
+    """Runs in a child: returns a whole Batch frame, with a payload or an
+    error (a large one as a hand-off file: see dpex.worker.handoff)."""
+    global _produced
     from dpex.proto import worker_pb2 as wpb
     from dpex.wire import encode_parts, frame_parts
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
@@ -166,7 +173,13 @@ def produce(task: Task) -> bytes:
     except Exception as e:
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
-    return b"".join(frame_parts(meta, parts))
+    parts = frame_parts(meta, parts)
+    if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= handoff.MIN_BYTES:
+        _produced += 1
+        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts)
+        if sent is not None:
+            return sent
+    return b"".join(parts)
 
 
 def remote_error(e: BaseException, stage: str, index: int = -1):
@@ -203,13 +216,15 @@ class BatchPool:
         self._address = worker_address
         self._lock = threading.Lock()
         self._closed = False
+        self._handoff_dir = handoff.make_dir()
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
                                        initializer=_init_child,
-                                       initargs=(self._address, context.Value("i", 0), self._processes))
+                                       initargs=(self._address, context.Value("i", 0), self._processes,
+                                                 self._handoff_dir))
         # Start every child now, not at the first batch.
         for f in [executor.submit(_warm_up) for _ in range(self._processes)]:
             f.result()
@@ -227,12 +242,18 @@ class BatchPool:
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
 
+    @staticmethod
+    def frame(result: bytes | Handoff) -> bytes:
+        """The bytes of what ``produce`` returned."""
+        return handoff.take(result) if isinstance(result, Handoff) else result
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._executor.shutdown(wait=True, cancel_futures=True)
+            handoff.remove_dir(self._handoff_dir)
 
 
 def crash_frame(task: Task, exc: BaseException, worker_address: str) -> bytes:

@@ -243,7 +243,7 @@ class Scheduler:
 
     def _done(self, key: Key, task: Task, future: Future) -> None:
         try:
-            frame = future.result()
+            frame = self._pool.frame(future.result())
         except Exception as e:
             log.error("batch failed in the pool: %s", e,
                       extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
