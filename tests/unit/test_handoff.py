@@ -1,0 +1,47 @@
+"""Large frames between a batch process and its daemon go through /dev/shm."""
+import os
+
+import pytest
+import torch
+
+import dpex
+from dpex.testing import test_cluster
+from dpex.worker import handoff
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(handoff.SHM), reason="no /dev/shm")
+
+
+def test_write_then_take_round_trips_and_removes_the_file(tmp_path):
+    parts = [b"head", memoryview(bytearray(range(256)) * 8192), torch.arange(1000).numpy()]
+    sent = handoff.write(str(tmp_path), "f1", parts)
+    assert sent is not None and sent.size == 4 + 256 * 8192 + 8000
+    assert handoff.take(sent) == b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert not os.path.exists(sent.path)
+
+
+def test_write_falls_back_when_it_cannot(tmp_path):
+    assert handoff.write(str(tmp_path / "missing"), "f1", [b"x"]) is None
+
+
+def test_stale_directories_of_dead_daemons_are_removed():
+    stale = os.path.join(handoff.SHM, "dpex-999999999")
+    os.makedirs(stale, exist_ok=True)
+    mine = handoff.make_dir()
+    try:
+        assert not os.path.exists(stale) and os.path.isdir(mine)
+    finally:
+        handoff.remove_dir(mine)
+
+
+def test_big_batches_arrive_intact_and_the_worker_leaves_nothing_in_dev_shm():
+    with test_cluster(num_workers=1) as c:
+        pid = c.workers[0].process.pid
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=16, dim=100_000)  # 1.6 MB batches
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=30) as dl:
+            for i, batch in enumerate(dl):
+                want = torch.stack([torch.arange(100_000, dtype=torch.float32) + j * j
+                                    for j in range(4 * i, 4 * i + 4)])
+                assert torch.equal(batch["x"], want)
+            assert os.path.isdir(os.path.join(handoff.SHM, f"dpex-{pid}"))
+            assert os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}")) == []  # every frame taken
+    assert not os.path.exists(os.path.join(handoff.SHM, f"dpex-{pid}"))
