@@ -1,6 +1,8 @@
 """Data plane: large batches (64 x 3 x 224 x 224, uint8 and float32) with a
 trivial transform, delivered to the trainer by Dpex, against a bare gRPC
-stream of the same bytes and a bare TCP socket, measured in one run.
+stream of the same bytes and a bare TCP socket, measured in one run. Dpex
+runs twice: over gRPC (``shared_memory=False``, what a trainer on another
+host gets) and same-host (the trainer maps the worker's /dev/shm files).
 
     .venv/bin/python benchmarks/dataplane.py [--batches 40] [--processes 2]
 
@@ -96,10 +98,11 @@ def bare_tcp(size: int, count: int) -> tuple[float, float]:
     return got / wall, cpu
 
 
-def dpex_run(cluster, dtype: str, count: int, batch: int) -> tuple[float, float, int, float, float]:
+def dpex_run(cluster, dtype: str, count: int, batch: int,
+             shared_memory: bool) -> tuple[float, float, int, float, float]:
     spec = dpex.DatasetSpec("benchmarks.pipeline:LargeBatches", count * batch, dtype)
     me = [os.getpid()]
-    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=batch, timeout=300,
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=batch, timeout=300, shared_memory=shared_memory,
                                job_name=f"dataplane-{dtype}-{count}") as dl:
         for _ in dl:  # warm-up epoch
             pass
@@ -125,20 +128,23 @@ def main() -> None:
     with dpex.LocalCluster(num_workers=1, processes=args.processes) as cluster:
         for dtype, itemsize in (("uint8", 1), ("float32", 4)):
             size = B * 3 * 224 * 224 * itemsize + 256  # + the frame's header
-            rate, cpu, got, wrss, trss = dpex_run(cluster, dtype, n, B)
             g_rate, g_cpu = bare_grpc(size, n)
             t_rate, t_cpu = bare_tcp(size, n)
-            rows.append((dtype, size, rate, cpu / (got / 1e9), g_rate, g_cpu / (size * n / 1e9),
-                         t_rate, t_cpu / (size * n / 1e9), wrss, trss))
-            print(f"{dtype}: dpex {rate / 1e9:.2f} GB/s, bare gRPC {g_rate / 1e9:.2f} GB/s, "
-                  f"bare TCP {t_rate / 1e9:.2f} GB/s", flush=True)
+            for path, shm in (("gRPC", False), ("same-host", True)):
+                rate, cpu, got, wrss, trss = dpex_run(cluster, dtype, n, B, shm)
+                rows.append((f"{dtype}/{path}", size, rate, cpu / (got / 1e9), g_rate, g_cpu / (size * n / 1e9),
+                             t_rate, t_cpu / (size * n / 1e9), wrss, trss))
+                print(f"{dtype}: dpex over {path} {rate / 1e9:.2f} GB/s, bare gRPC {g_rate / 1e9:.2f} GB/s, "
+                      f"bare TCP {t_rate / 1e9:.2f} GB/s", flush=True)
     print(f"\n{n} batches of {B}x3x224x224 per run, worker with {args.processes} processes, "
           f"{os.cpu_count()} cores")
-    print(f"{'dtype':8} {'MB/batch':>8} {'dpex GB/s':>9} {'gRPC GB/s':>9} {'TCP GB/s':>8} {'dpex/gRPC':>9} "
+    print("dpex over gRPC: the loader with shared_memory=False (as from another host); same-host: the "
+          "trainer maps the worker's /dev/shm files (the default on one machine)")
+    print(f"{'dtype/path':17} {'MB/batch':>8} {'dpex GB/s':>9} {'gRPC GB/s':>9} {'TCP GB/s':>8} {'dpex/gRPC':>9} "
           f"{'dpex/TCP':>8} {'trainer CPU s/GB: dpex':>22} {'gRPC':>5} {'TCP':>5} {'RSS MB worker':>13} "
           f"{'trainer':>7}")
     for dtype, size, rate, cpu_gb, g_rate, g_cpu_gb, t_rate, t_cpu_gb, wrss, trss in rows:
-        print(f"{dtype:8} {size / 2**20:8.1f} {rate / 1e9:9.2f} {g_rate / 1e9:9.2f} {t_rate / 1e9:8.2f} "
+        print(f"{dtype:17} {size / 2**20:8.1f} {rate / 1e9:9.2f} {g_rate / 1e9:9.2f} {t_rate / 1e9:8.2f} "
               f"{rate / g_rate:9.3f} {rate / t_rate:8.3f} {cpu_gb:22.2f} {g_cpu_gb:5.2f} {t_cpu_gb:5.2f} "
               f"{wrss:13.0f} {trss:7.0f}")
 

@@ -22,6 +22,7 @@ from dpex.rpc import call
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool
 from dpex.wire import decode, parse_frame
+from dpex.worker import handoff
 
 log = logging.getLogger("dpex.client")
 
@@ -34,6 +35,12 @@ def describe(error: BaseException | None) -> str:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         return f"{error.code().name}: {error.details()}"
     return str(error)
+
+
+def _drop_file(meta: wpb.Batch) -> None:
+    """A hand-off file for a frame we do not take: remove it (only a real one)."""
+    if meta.shm_path and handoff.is_handoff_path(meta.shm_path):
+        handoff.discard(handoff.Handoff(meta.shm_path, meta.shm_size))
 
 
 class _Owners(NamedTuple):
@@ -314,6 +321,7 @@ class EpochFetcher:
         except DpexWireError as e:
             return self._corrupt_frame(got.address, None, e)
         if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
+            _drop_file(meta)
             return False  # from an earlier epoch or loader
         seq = meta.seq
         if meta.not_assigned:
@@ -329,7 +337,22 @@ class EpochFetcher:
             self._advance_low()
             return True
         if seq in self._delivered or not self._exists(seq):
+            _drop_file(meta)
             return False  # a duplicate (e.g. re-sent after a reconnect)
+        if meta.shm_path:  # a same-host worker's hand-off file: map it, no copy
+            try:
+                meta, payload = parse_frame(handoff.map_frame(meta.shm_path, meta.shm_size))
+            except PermissionError as e:  # another user's worker: from now on, bytes over gRPC
+                log.warning("cannot map %s (%s); receiving batches over gRPC instead", meta.shm_path, e)
+                self._streams.host = ""
+                self._streams.drop(got.address)
+                self._reroute(lambda s, a: a == got.address)
+                return False
+            except FileNotFoundError:  # its worker died and a successor cleaned up: ask again
+                self._ask_again(seq, got.address)
+                return False
+            except (OSError, DpexWireError) as e:
+                return self._corrupt_frame(got.address, seq, DpexWireError(f"hand-off file: {e}"))
         batch = None
         if not meta.HasField("error"):
             try:
@@ -357,10 +380,14 @@ class EpochFetcher:
         if seq is None:  # which batch it was is unknown: ask again for all that worker owes us
             self._streams.drop(address)
             self._reroute(lambda s, a: a == address)
-        elif self._requested.get(seq) == address:
+        else:
+            self._ask_again(seq, address)
+        return False
+
+    def _ask_again(self, seq: int, address: str) -> None:
+        if self._requested.get(seq) == address:
             del self._requested[seq]
             self._retry.add(seq)
-        return False
 
     def _advance_low(self) -> None:
         limit = self._limit()

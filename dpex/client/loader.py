@@ -85,11 +85,11 @@ def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
-    def __init__(self, token: str | None, tls_ca: bytes | None) -> None:
+    def __init__(self, token: str | None, tls_ca: bytes | None, shared_memory: bool) -> None:
         self.cluster: Any = None
         self.channel: Any = None
         self.stub: Any = None
-        self.streams = StreamPool(token, tls_ca)
+        self.streams = StreamPool(token, tls_ca, shared_memory)
         self.fetcher: EpochFetcher | None = None
         self.release: Callable[[], None] | None = None
         self._lock = threading.Lock()
@@ -129,6 +129,8 @@ class RemoteDataLoader:
     ``pin_memory`` pins batches in the trainer when an accelerator is present.
     ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call; with
     ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
+    With ``shared_memory``, batches of a worker on this host are mapped from
+    its /dev/shm files instead of streamed (False: always over gRPC).
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
@@ -143,7 +145,7 @@ class RemoteDataLoader:
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  auth_token: str | None = None, tls_ca: str | None = None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, shared_memory: bool = True) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -165,7 +167,7 @@ class RemoteDataLoader:
         self._meter = StatsMeter()
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
-        self._res = _Resources(token, ca)
+        self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
             if address is None:

@@ -14,6 +14,8 @@ import grpc
 
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import channel
+from dpex.worker.handoff import host_id
+from dpex.worker.service import HOST_METADATA
 
 log = logging.getLogger("dpex.client")
 
@@ -26,7 +28,7 @@ class Received(NamedTuple):
 
 class _Stream:
     def __init__(self, address: str, results: queue.SimpleQueue, token: str | None,
-                 tls_ca: bytes | None) -> None:
+                 tls_ca: bytes | None, host: str) -> None:
         self.address = address
         self._results = results
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -35,7 +37,8 @@ class _Stream:
         fetch = self._channel.stream_stream(
             "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
             response_deserializer=None)  # frames stay bytes: parsed without copies later
-        self._call = fetch(iter(self._requests.get, None))
+        # Our host id: a worker on the same host sends /dev/shm file names, not bytes.
+        self._call = fetch(iter(self._requests.get, None), metadata=((HOST_METADATA, host),) if host else None)
         # daemon=True only so that interpreter exit reaches the loader's
         # finalizer, which closes the stream (the real stop path).
         self._thread = threading.Thread(target=self._receive, name=f"dpex-recv-{address}", daemon=True)
@@ -64,8 +67,10 @@ class _Stream:
 
 
 class StreamPool:
-    def __init__(self, token: str | None = None, tls_ca: bytes | None = None) -> None:
+    def __init__(self, token: str | None = None, tls_ca: bytes | None = None,
+                 shared_memory: bool = True) -> None:
         self.token, self.tls_ca = token, tls_ca
+        self.host = host_id() if shared_memory else ""
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -74,7 +79,8 @@ class StreamPool:
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = _Stream(address, self.results, self.token, self.tls_ca)
+                stream = self._streams[address] = _Stream(address, self.results, self.token, self.tls_ca,
+                                                          self.host)
         stream.send(request)
 
     def drop(self, address: str) -> None:

@@ -30,6 +30,11 @@ from dpex.errors import DpexError
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
 @message_limit_option(1024, "Largest batch sent, in MiB; a bigger batch is an error for the trainer "
                       "(at most 1024: what trainers accept).")
+@click.option("--shm/--no-shm", default=True, envvar="DPEX_SHM", show_envvar=True,
+              help="Pass large batches from the processes to the daemon through /dev/shm files, and let "
+              "trainers on this host map them instead of receiving them over gRPC.")
+@click.option("--shm-min-kb", type=int, default=1024, envvar="DPEX_SHM_MIN_KB", show_envvar=True,
+              help="Batches smaller than this take the pipe and gRPC.")
 @metrics_option
 @log_options
 @auth_options
@@ -38,7 +43,8 @@ from dpex.errors import DpexError
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
-         max_message_mb: float, metrics_port: int | None, log_level: str, log_format: str,
+         max_message_mb: float, shm: bool, shm_min_kb: int, metrics_port: int | None, log_level: str,
+         log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
     """Run a Dpex worker. It registers with the dispatcher, takes splits of
@@ -58,7 +64,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
                               allow_unauthenticated=allow_unauthenticated,
                               tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca,
-                              max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port)
+                              max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,
+                              shared_memory=shm, shm_min_bytes=shm_min_kb * 1024)
         server = WorkerServer(config)
     except DpexError as e:
         fail(str(e))

@@ -15,6 +15,9 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
     kwargs.setdefault("heartbeat_timeout_s", 1.5)
     kwargs.setdefault("split_size_batches", 2)
     kwargs.setdefault("consumer_timeout_s", 3.0)
+    # Every batch through a /dev/shm hand-off file, so that the same-host path
+    # meets every failure the tests make.
+    kwargs.setdefault("worker_flags", ("--shm-min-kb", "0"))
     return LocalCluster(num_workers=num_workers, processes=processes, **kwargs)
 
 

@@ -135,7 +135,7 @@ class NetnsCluster:
         ready = os.path.join(self.dir, f"{node}.ready")
         self.procs[node] = self._spawn(node, [
             "-m", "dpex.cmd.worker", "--dispatcher", self.address, "--host", ip, "--port", "7071",
-            "--processes", "1", "--heartbeat-interval", "0.2", "--ready-file", ready],
+            "--processes", "1", "--heartbeat-interval", "0.2", "--no-shm", "--ready-file", ready],
             env={"DPEX_NODE_DATA": data})
         self._await_ready(node, ready)
         return node

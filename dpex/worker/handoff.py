@@ -1,9 +1,14 @@
 """Large frames go from a batch process to its daemon through a file in
 /dev/shm: one copy in, one copy out, instead of the pool's pickled pipe
 (join, pickle, pipe write, pipe read, unpickle). Small frames, and any
-frame when /dev/shm is missing or full, take the pipe."""
+frame when /dev/shm is missing or full, take the pipe.
+
+A trainer on the same host (same boot, same /dev/shm) gets only the file's
+name and maps the file itself: no copy at all between batch process and
+trainer, and no gRPC for the bytes."""
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from typing import NamedTuple
@@ -15,6 +20,51 @@ MIN_BYTES = 1 << 20  # below this the pipe is as cheap
 class Handoff(NamedTuple):
     path: str
     size: int
+    meta: bytes = b""  # the frame's serialized Batch metadata (no payload)
+
+
+def host_id() -> str:
+    """Same value in two processes: they share a boot and a /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(SHM)
+    except OSError:
+        return ""
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+def discard(item: "bytes | Handoff") -> None:
+    """Drops a frame nobody will take (released, cancelled, a duplicate)."""
+    if isinstance(item, Handoff):
+        try:
+            os.unlink(item.path)
+        except OSError:
+            pass
+
+
+def is_handoff_path(path: str) -> bool:
+    """Only files in a dpex hand-off directory are ever mapped or removed."""
+    directory, name = os.path.split(path)
+    parent, leaf = os.path.split(directory)
+    return (os.path.normpath(path) == path and parent == SHM and leaf.startswith("dpex-")
+            and leaf[5:].isdigit() and bool(name) and not name.startswith("."))
+
+
+def map_frame(path: str, size: int) -> memoryview:
+    """A same-host trainer's view of a hand-off file: mapped (private, so the
+    tensors are writable without touching the file), then the file removed."""
+    if not is_handoff_path(path):
+        raise OSError(f"not a dpex hand-off file: {path!r}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size or size == 0:
+            raise OSError(f"hand-off file {path} is {os.fstat(fd).st_size} bytes, expected {size}")
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return memoryview(mapped)
 
 
 def make_dir() -> str | None:
@@ -34,7 +84,7 @@ def remove_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write(directory: str, name: str, parts: list) -> Handoff | None:
+def write(directory: str, name: str, parts: list, meta: bytes = b"") -> Handoff | None:
     """Writes the frame's parts to a file; None if it cannot (the pipe it is)."""
     path = os.path.join(directory, name)
     try:
@@ -54,7 +104,7 @@ def write(directory: str, name: str, parts: list) -> Handoff | None:
         os.unlink(path)
         return None
     os.close(fd)
-    return Handoff(path, size)
+    return Handoff(path, size, meta)
 
 
 def take(handoff: Handoff) -> bytes:

@@ -40,6 +40,7 @@ class Task(NamedTuple):
 _worker_address = ""
 _child_index, _num_children = 0, 1
 _handoff_dir: str | None = None
+_handoff_min_bytes = handoff.MIN_BYTES
 _produced = 0
 
 
@@ -63,13 +64,14 @@ _contexts: OrderedDict[tuple, _Context] = OrderedDict()
 _current: tuple | None = None
 
 
-def _init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None) -> None:
-    global _child_index, _num_children, _handoff_dir
+def _init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None,
+                handoff_min_bytes: int) -> None:
+    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
     _num_children = num_children
-    _handoff_dir = handoff_dir
+    _handoff_dir, _handoff_min_bytes = handoff_dir, handoff_min_bytes
     init_process(worker_address)
 
 
@@ -174,9 +176,9 @@ def produce(task: Task) -> bytes | Handoff:
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
     parts = frame_parts(meta, parts)
-    if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= handoff.MIN_BYTES:
+    if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= _handoff_min_bytes:
         _produced += 1
-        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts)
+        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0])
         if sent is not None:
             return sent
     return b"".join(parts)
@@ -211,12 +213,16 @@ def _warm_up() -> int:
 class BatchPool:
     """A pool of N processes; a crashed child fails its batch, not the daemon."""
 
-    def __init__(self, processes: int, worker_address: str) -> None:
+    def __init__(self, processes: int, worker_address: str, *, shared_memory: bool = True,
+                 handoff_min_bytes: int = handoff.MIN_BYTES) -> None:
+        """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
+        back as /dev/shm files (dpex.worker.handoff), else through the pipe."""
         self._processes = processes
+        self._handoff_min_bytes = handoff_min_bytes
         self._address = worker_address
         self._lock = threading.Lock()
         self._closed = False
-        self._handoff_dir = handoff.make_dir()
+        self._handoff_dir = handoff.make_dir() if shared_memory else None
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
@@ -224,7 +230,7 @@ class BatchPool:
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
                                        initializer=_init_child,
                                        initargs=(self._address, context.Value("i", 0), self._processes,
-                                                 self._handoff_dir))
+                                                 self._handoff_dir, self._handoff_min_bytes))
         # Start every child now, not at the first batch.
         for f in [executor.submit(_warm_up) for _ in range(self._processes)]:
             f.result()
@@ -241,11 +247,6 @@ class BatchPool:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
-
-    @staticmethod
-    def frame(result: bytes | Handoff) -> bytes:
-        """The bytes of what ``produce`` returned."""
-        return handoff.take(result) if isinstance(result, Handoff) else result
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,8 @@ from typing import Callable, NamedTuple
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
+from dpex.worker import handoff
+from dpex.worker.handoff import Handoff
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, Task, crash_frame, produce
 from dpex.worker.stream import StreamRunner
@@ -25,7 +27,8 @@ from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
 
-Sink = Callable[[bytes], None]
+Frame = "bytes | Handoff"  # a Handoff: the frame lies in a /dev/shm file (dpex.worker.handoff)
+Sink = Callable[[Frame], None]
 
 
 class Key(NamedTuple):
@@ -71,7 +74,7 @@ class Scheduler:
         self._pending_set: set[Key] = set()
         self._urgent: list[Key] = []                    # heap of requested pending keys
         self._running: dict[Key, Future] = {}
-        self._ready: dict[Key, bytes] = {}
+        self._ready: dict[Key, Frame] = {}
         self._waiters: dict[Key, list[Sink]] = {}
         self._unknown_since: dict[Key, float] = {}      # requested before its split arrived
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
@@ -133,7 +136,7 @@ class Scheduler:
                     continue
                 for key in split_keys(split):
                     self._where.pop(key, None)
-                    self._ready.pop(key, None)
+                    handoff.discard(self._ready.pop(key, b""))
                     self._pending_set.discard(key)
                     for sink in self._waiters.pop(key, []):
                         sink(not_assigned_frame(key))
@@ -243,17 +246,18 @@ class Scheduler:
 
     def _done(self, key: Key, task: Task, future: Future) -> None:
         try:
-            frame = self._pool.frame(future.result())
+            frame = future.result()
         except Exception as e:
             log.error("batch failed in the pool: %s", e,
                       extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
             frame = crash_frame(task, e, self._address)
-        self.meter.produced(len(frame))
+        self.meter.produced(frame.size if isinstance(frame, Handoff) else len(frame))
         with self._cond:
             self._running.pop(key, None)
             self.meter.running(len(self._running))
             self._cond.notify_all()
             if key not in self._where:
+                handoff.discard(frame)
                 return  # released meanwhile
             entry = self._splits[self._where[key][0]]
             entry.unproduced.discard(key)

@@ -70,7 +70,8 @@ class WorkerServer:
                       server_credentials(config.tls_cert_file, config.tls_key_file))
         self.address = f"{advertised_host(config)}:{port}"
         self._job_dir = tempfile.TemporaryDirectory(prefix="dpex-worker-")
-        self.pool = BatchPool(config.processes, self.address)
+        self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
+                              handoff_min_bytes=config.shm_min_bytes)
         self.agent: DispatcherAgent | None = None
         self.metrics: MetricsServer | None = None
         try:
@@ -79,7 +80,7 @@ class WorkerServer:
                                        max_inflight=2 * config.processes,
                                        worker_address=self.address, meter=Meter(config.processes))
             service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
-                                    worker_address=self.address)
+                                    worker_address=self.address, shared_memory=config.shared_memory)
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()

@@ -12,11 +12,16 @@ import grpc
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
 from dpex.wire import build_frame, parse_frame
+from dpex.worker import handoff
+from dpex.worker.handoff import Handoff
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")
 
 _SERVICE = "dpex.v1.Worker"
+
+
+HOST_METADATA = "dpex-host"  # a trainer's host id: same as ours, it may map hand-off files
 
 
 def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
@@ -33,12 +38,13 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
 
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
-                 max_frame_bytes: int, worker_address: str) -> None:
+                 max_frame_bytes: int, worker_address: str, shared_memory: bool = True) -> None:
         self._scheduler = scheduler
         self._inspect = inspect
         self._max_frame = max_frame_bytes
         self._address = worker_address
         self._meter = scheduler.meter
+        self._host = handoff.host_id() if shared_memory else ""
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Responses are pre-serialized Batch frames built by the pool's
@@ -68,16 +74,30 @@ class WorkerService:
         # The reader ends with the RPC (its iterator ends or raises).
         reader = threading.Thread(target=read, name="dpex-fetch-reader", daemon=True)
         reader.start()
+        same_host = bool(self._host) and (HOST_METADATA, self._host) in tuple(context.invocation_metadata())
         self._meter.stream(+1)
         try:
             while True:
                 frame = out.get()
                 if frame is None:
                     return
-                if len(frame) > self._max_frame:
-                    frame = oversize_frame(frame, self._max_frame, self._address)
-                self._meter.sent(len(frame))
-                yield frame
+                self._meter.sent(frame.size if isinstance(frame, Handoff) else len(frame))
+                yield self._outgoing(frame, same_host)
         finally:
             self._meter.stream(-1)
             self._scheduler.cancel(sink)
+            while not out.empty():  # asked for, produced, never sent
+                handoff.discard(out.get())
+
+    def _outgoing(self, frame: "bytes | Handoff", same_host: bool) -> bytes:
+        """What goes on the wire: the file's name for a same-host trainer,
+        else the frame's bytes (an error frame if over the size limit)."""
+        if isinstance(frame, Handoff):
+            if same_host:
+                meta = wpb.Batch.FromString(frame.meta)
+                meta.shm_path, meta.shm_size = frame.path, frame.size
+                return build_frame(meta)
+            frame = handoff.take(frame)
+        if len(frame) > self._max_frame:
+            return oversize_frame(frame, self._max_frame, self._address)
+        return frame

@@ -33,15 +33,26 @@ def test_stale_directories_of_dead_daemons_are_removed():
         handoff.remove_dir(mine)
 
 
-def test_big_batches_arrive_intact_and_the_worker_leaves_nothing_in_dev_shm():
-    with test_cluster(num_workers=1) as c:
+def test_only_files_in_a_dpex_directory_are_mapped_or_removed():
+    assert handoff.is_handoff_path("/dev/shm/dpex-123/456-7")
+    for bad in ("/etc/passwd", "/dev/shm/dpex-123/../x", "/dev/shm/other/1", "/dev/shm/dpex-12a/1",
+                "/dev/shm/dpex-1/", "/dev/shm/dpex-1/.hidden", "dev/shm/dpex-1/1", "/dev/shm/dpex-1/a/b"):
+        assert not handoff.is_handoff_path(bad), bad
+    with pytest.raises(OSError, match="not a dpex hand-off file"):
+        handoff.map_frame("/etc/passwd", 10)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
+def test_big_batches_arrive_intact_and_the_worker_leaves_nothing_in_dev_shm(shared_memory):
+    with test_cluster(num_workers=1, worker_flags=()) as c:  # the default 1 MiB threshold
         pid = c.workers[0].process.pid
         spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=16, dim=100_000)  # 1.6 MB batches
-        with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=30) as dl:
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=30, shared_memory=shared_memory) as dl:
             for i, batch in enumerate(dl):
                 want = torch.stack([torch.arange(100_000, dtype=torch.float32) + j * j
                                     for j in range(4 * i, 4 * i + 4)])
                 assert torch.equal(batch["x"], want)
-            assert os.path.isdir(os.path.join(handoff.SHM, f"dpex-{pid}"))
-            assert os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}")) == []  # every frame taken
+                batch["x"] += 1  # the trainer owns its batches: writable, and private
+            assert dl.stats().bytes_received >= 4 * 1_600_000
+            assert os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}")) == []  # every file taken
     assert not os.path.exists(os.path.join(handoff.SHM, f"dpex-{pid}"))
