@@ -50,6 +50,7 @@ bench: setup
 	$(PY) benchmarks/scaleout.py
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/first_batch.py
+	$(PY) benchmarks/compression.py
 
 clean:
 	rm -rf $(VENV) dpex/proto/*_pb2*.py dpex/proto/*_pb2*.pyi .data

@@ -13,9 +13,10 @@ MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
-def make_images(root: str, count: int, size: int, seed: int = 0) -> str:
-    """Writes ``count`` smooth-ish RGB PNGs of ``size``² once."""
-    marker = os.path.join(root, f".complete-{count}-{size}")
+def make_images(root: str, count: int, size: int, seed: int = 0, noise: float = 8.0) -> str:
+    """Writes ``count`` smooth RGB PNGs of ``size``² with pixel noise of
+    standard deviation ``noise``, once."""
+    marker = os.path.join(root, f".complete-{count}-{size}-{noise:g}")
     if os.path.exists(marker):
         return root
     os.makedirs(root, exist_ok=True)
@@ -24,7 +25,7 @@ def make_images(root: str, count: int, size: int, seed: int = 0) -> str:
     for i in range(count):
         a, b, c = rng.uniform(1, 8, 3)
         base = np.stack([np.sin(a * xx + b * yy), np.cos(b * xx * yy * c), np.sin(c * yy)], -1)
-        image = (base * 100 + 128 + rng.normal(0, 8, base.shape)).clip(0, 255).astype(np.uint8)
+        image = (base * 100 + 128 + rng.normal(0, noise, base.shape)).clip(0, 255).astype(np.uint8)
         Image.fromarray(image).save(os.path.join(root, f"{i:06d}.png"))
     open(marker, "w").close()
     return root
@@ -82,3 +83,22 @@ class LargeBatches(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.image
+
+
+class DecodedImages(Dataset):
+    """uint8 3x224x224 crops of real decoded images (the first ``count`` PNGs
+    under ``root``, decoded once): what compression sees in an image job."""
+
+    def __init__(self, root: str, n: int, count: int = 64, size: int = 224) -> None:
+        files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".png"))[:count]
+        self.images = [np.asarray(Image.open(f).convert("RGB")) for f in files]
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        image = self.images[i % len(self.images)]
+        top, left = (i * 7) % (image.shape[0] - self.size + 1), (i * 13) % (image.shape[1] - self.size + 1)
+        crop = image[top:top + self.size, left:left + self.size]
+        return torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))

@@ -22,6 +22,7 @@ from dpex.rpc import call
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool
 from dpex.wire import decode, parse_frame
+from dpex.wire.compression import decompress
 from dpex.worker import handoff
 
 log = logging.getLogger("dpex.client")
@@ -353,16 +354,18 @@ class EpochFetcher:
                 return False
             except (OSError, DpexWireError) as e:
                 return self._corrupt_frame(got.address, seq, DpexWireError(f"hand-off file: {e}"))
-        batch = None
+        batch, size = None, len(payload)  # bytes received, compressed or not
         if not meta.HasField("error"):
             try:
+                if meta.compression:
+                    payload = decompress(meta.compression, payload, meta.raw_size)
                 batch = decode(payload)
             except DpexWireError as e:
                 return self._corrupt_frame(got.address, seq, e)
         self._requested.pop(seq, None)
         self._retry.discard(seq)
         self._delivered.add(seq)
-        self._received[seq] = (meta, batch, len(payload))
+        self._received[seq] = (meta, batch, size)
         self._control.ack(seq)
         self._advance_low()
         return True

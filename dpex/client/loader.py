@@ -27,6 +27,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import call, channel
+from dpex.wire.compression import check as check_compression
 
 log = logging.getLogger("dpex.client")
 
@@ -131,6 +132,8 @@ class RemoteDataLoader:
     ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
     With ``shared_memory``, batches of a worker on this host are mapped from
     its /dev/shm files instead of streamed (False: always over gRPC).
+    ``compression`` ("lz4" or "zstd"; default none) compresses payloads on
+    the workers: worth it only where the network, not CPU, is the limit.
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
@@ -145,7 +148,8 @@ class RemoteDataLoader:
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  auth_token: str | None = None, tls_ca: str | None = None,
-                 connect_timeout: float = 30.0, shared_memory: bool = True) -> None:
+                 connect_timeout: float = 30.0, shared_memory: bool = True,
+                 compression: str | None = None) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -183,7 +187,8 @@ class RemoteDataLoader:
                              collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
                              num_consumers=num_consumers, persistent_workers=persistent_workers,
                              worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
-                             batch_size=batch_size or 0, drop_last=drop_last)
+                             batch_size=batch_size or 0, drop_last=drop_last,
+                             compression=check_compression(compression))
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "

@@ -26,7 +26,7 @@ log = logging.getLogger("dpex.dispatcher")
 
 def job_fingerprint(job: dpb.JobDef) -> bytes:
     h = hashlib.sha256()
-    for part in (job.dataset, job.collate, str(job.num_consumers).encode()):
+    for part in (job.dataset, job.collate, str(job.num_consumers).encode(), job.compression.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
@@ -186,6 +186,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             if existing is not None:
                 if existing.fingerprint != fingerprint:
                     what = ("num_consumers" if existing.definition.num_consumers != job.num_consumers
+                            else "compression" if existing.definition.compression != job.compression
                             else "dataset or collate_fn")
                     raise DpexConflictError(
                         f"job {job.name!r} already exists with a different {what}; "

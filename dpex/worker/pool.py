@@ -51,6 +51,7 @@ class _Job(NamedTuple):
     persistent: bool
     batch_size: int
     drop_last: bool
+    compression: str = ""
 
 
 class _Context(NamedTuple):
@@ -98,7 +99,7 @@ def load_job(job_id: int, job_path: str) -> _Job:
     spec = cloudpickle.loads(job.dataset)
     _jobs[job_id] = _Job(spec.build(), cloudpickle.loads(job.collate) if job.collate else default_collate,
                          cloudpickle.loads(job.worker_init_fn) if job.worker_init_fn else None,
-                         job.persistent_workers, job.batch_size, job.drop_last)
+                         job.persistent_workers, job.batch_size, job.drop_last, job.compression)
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -158,6 +159,7 @@ def produce(task: Task) -> bytes | Handoff:
     global _produced
     from dpex.proto import worker_pb2 as wpb
     from dpex.wire import encode_parts, frame_parts
+    from dpex.wire.compression import compress
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
     stage, index = "build", -1
@@ -172,6 +174,10 @@ def produce(task: Task) -> bytes | Handoff:
         batch = job.collate(samples)
         stage = "encode"
         parts = encode_parts(batch)
+        if job.compression:
+            meta.raw_size = sum(memoryview(p).nbytes for p in parts)
+            meta.compression = job.compression
+            parts = [compress(job.compression, parts)]
     except Exception as e:
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
