@@ -153,6 +153,21 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
     return info
 
 
+def collate(job: _Job, samples: list) -> Any:
+    """The job's collate_fn. torch's default_collate, run in a worker, stacks
+    into a new shared-memory segment for the main process to map; ours goes
+    into a hand-off file instead, so it stacks into ordinary memory."""
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils import worker as torch_worker
+    if job.collate is not default_collate:
+        return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
+    info, torch_worker._worker_info = torch_worker._worker_info, None
+    try:
+        return default_collate(samples)
+    finally:
+        torch_worker._worker_info = info
+
+
 def produce(task: Task) -> bytes | Handoff:
     """Runs in a child: returns a whole Batch frame, with a payload or an
     error (a large one as a hand-off file: see dpex.worker.handoff)."""
@@ -171,7 +186,7 @@ def produce(task: Task) -> bytes | Handoff:
         for index in task.indices:
             samples.append(job.dataset[index])
         stage, index = "collate", -1
-        batch = job.collate(samples)
+        batch = collate(job, samples)
         stage = "encode"
         parts = encode_parts(batch)
         if job.compression:

@@ -63,7 +63,7 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
             if not batch or (job.drop_last and len(batch) < job.batch_size):
                 break
             stage = "collate"
-            collated = job.collate(batch)
+            collated = pool.collate(job, batch)
             stage = "encode"
             frame = b"".join(frame_parts(_meta(split, j), encode_parts(collated)))
             if not send(frame):
