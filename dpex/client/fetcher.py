@@ -314,8 +314,7 @@ class EpochFetcher:
                 log.warning("stream to worker %s failed (%s, %d times); asking for its batches again",
                             got.address, describe(got.error), failures)
             self._broken[got.address] = time.monotonic() + _BROKEN_BACKOFF_S
-            self._streams.drop(got.address)
-            self._reroute(lambda seq, address: address == got.address)
+            self._restart_stream(got.address)
             return False
         try:
             meta, payload = parse_frame(got.frame)
@@ -346,8 +345,7 @@ class EpochFetcher:
             except PermissionError as e:  # another user's worker: from now on, bytes over gRPC
                 log.warning("cannot map %s (%s); receiving batches over gRPC instead", meta.shm_path, e)
                 self._streams.host = ""
-                self._streams.drop(got.address)
-                self._reroute(lambda s, a: a == got.address)
+                self._restart_stream(got.address)
                 return False
             except FileNotFoundError:  # its worker died and a successor cleaned up: ask again
                 self._ask_again(seq, got.address)
@@ -381,11 +379,16 @@ class EpochFetcher:
                                 f"of job {self._job_id} (last: {what}: {error})")
         log.warning("worker %s sent a corrupt frame (%s: %s); asking for it again", address, what, error)
         if seq is None:  # which batch it was is unknown: ask again for all that worker owes us
-            self._streams.drop(address)
-            self._reroute(lambda s, a: a == address)
+            self._restart_stream(address)
         else:
             self._ask_again(seq, address)
         return False
+
+    def _restart_stream(self, address: str) -> None:
+        """Closes the stream to a worker and asks again for all it owed us
+        (over a new stream, once its backoff, if any, is over)."""
+        self._streams.drop(address)
+        self._reroute(lambda seq, owed_by: owed_by == address)
 
     def _ask_again(self, seq: int, address: str) -> None:
         if self._requested.get(seq) == address:

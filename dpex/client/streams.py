@@ -14,8 +14,7 @@ import grpc
 
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import channel
-from dpex.worker.handoff import host_id
-from dpex.worker.service import HOST_METADATA
+from dpex.worker.handoff import HOST_METADATA, host_id
 
 log = logging.getLogger("dpex.client")
 

@@ -63,6 +63,13 @@ def auth_options(fn):
                         "(or set DPEX_AUTH_TOKEN).")(fn)
 
 
+def tls_ca_option(fn):
+    """--tls-ca: for a worker or `dpex status` reaching a TLS dispatcher."""
+    return click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA",
+                        show_envvar=True, help="Reach the dispatcher over TLS, verifying it against these "
+                        "CAs (PEM).")(fn)
+
+
 def metrics_option(fn):
     return click.option("--metrics-port", type=int, default=None, envvar="DPEX_METRICS_PORT", show_envvar=True,
                         help="Serve Prometheus metrics on this port at /metrics (0 picks a free one) "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from dpex.cmd.common import fail
+from dpex.cmd.common import fail, tls_ca_option
 from dpex.errors import DpexError
 
 
@@ -61,8 +61,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
               show_default=True, help="Seconds to try to reach the dispatcher.")
 @click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None, envvar="DPEX_AUTH_TOKEN_FILE",
               show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
-@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
-              help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
+@tls_ca_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON instead of tables.")
 def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None,
            as_json: bool) -> None:

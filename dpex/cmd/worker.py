@@ -5,7 +5,7 @@ import click
 
 from dpex.auth import load_token
 from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
-                             serve_until_signalled, setup_logging)
+                             serve_until_signalled, setup_logging, tls_ca_option)
 from dpex.config import WorkerConfig
 from dpex.errors import DpexError
 
@@ -38,8 +38,7 @@ from dpex.errors import DpexError
 @metrics_option
 @log_options
 @auth_options
-@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, envvar="DPEX_TLS_CA", show_envvar=True,
-              help="Reach the dispatcher over TLS, verifying it against these CAs (PEM).")
+@tls_ca_option
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,

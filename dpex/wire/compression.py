@@ -39,15 +39,13 @@ def compress(name: str, parts: list) -> bytes:
 
 
 def decompress(name: str, payload: Any, raw_size: int) -> bytes:
+    if name not in CODECS:
+        raise DpexWireError(f"unknown payload codec {name!r}")
     try:
         if name == "lz4":
             out = _module(name).decompress(payload, uncompressed_size=raw_size)
-        elif name == "zstd":
-            out = _module(name).ZstdDecompressor().decompress(payload, max_output_size=raw_size)
         else:
-            raise DpexWireError(f"unknown payload codec {name!r}")
-    except DpexWireError:
-        raise
+            out = _module(name).ZstdDecompressor().decompress(payload, max_output_size=raw_size)
     except Exception as e:  # each library has its own error types
         raise DpexWireError(f"corrupt {name} payload: {e}") from None
     if len(out) != raw_size:

@@ -83,10 +83,10 @@ class DispatcherAgent:
         interval = self._config.heartbeat_interval_s
         while not self._stop.is_set():
             want = self._scheduler.free_capacity(self._config.max_held_splits)
-            ready, running = self._scheduler.depth()
-            load = self._scheduler.meter.load(ready, running, self._scheduler.meter.window())
+            self._scheduler.meter.window()  # each heartbeat reports the busy fraction since the last
             request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
-                                                 held_split_ids=self._scheduler.held_split_ids(), load=load)
+                                                 held_split_ids=self._scheduler.held_split_ids(),
+                                                 load=self._scheduler.load())
             try:
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
                                      track=self._track_full_poll if want == 0 else None)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 SHM = "/dev/shm"
 MIN_BYTES = 1 << 20  # below this the pipe is as cheap
+HOST_METADATA = "dpex-host"  # a trainer's host id on its Fetch stream: the same as ours, it may map files
 
 
 class Handoff(NamedTuple):
@@ -34,6 +35,10 @@ def host_id() -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
+def size_of(frame: "bytes | Handoff") -> int:
+    return frame.size if isinstance(frame, Handoff) else len(frame)
+
+
 def discard(item: "bytes | Handoff") -> None:
     """Drops a frame nobody will take (released, cancelled, a duplicate)."""
     if isinstance(item, Handoff):
@@ -43,12 +48,18 @@ def discard(item: "bytes | Handoff") -> None:
             pass
 
 
+def _daemon_pid(directory_name: str) -> str | None:
+    """The pid in a hand-off directory's name ``dpex-<pid>``, else None."""
+    pid = directory_name.removeprefix("dpex-")
+    return pid if directory_name.startswith("dpex-") and pid.isdigit() else None
+
+
 def is_handoff_path(path: str) -> bool:
     """Only files in a dpex hand-off directory are ever mapped or removed."""
     directory, name = os.path.split(path)
     parent, leaf = os.path.split(directory)
-    return (os.path.normpath(path) == path and parent == SHM and leaf.startswith("dpex-")
-            and leaf[5:].isdigit() and bool(name) and not name.startswith("."))
+    return (os.path.normpath(path) == path and parent == SHM and _daemon_pid(leaf) is not None
+            and bool(name) and not name.startswith("."))
 
 
 def map_frame(path: str, size: int) -> memoryview:
@@ -58,8 +69,9 @@ def map_frame(path: str, size: int) -> memoryview:
         raise OSError(f"not a dpex hand-off file: {path!r}")
     fd = os.open(path, os.O_RDONLY)
     try:
-        if os.fstat(fd).st_size != size or size == 0:
-            raise OSError(f"hand-off file {path} is {os.fstat(fd).st_size} bytes, expected {size}")
+        actual = os.fstat(fd).st_size
+        if actual != size or size == 0:
+            raise OSError(f"hand-off file {path} is {actual} bytes, expected {size}")
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -72,7 +84,8 @@ def make_dir() -> str | None:
     if not os.path.isdir(SHM) or not os.access(SHM, os.W_OK):
         return None
     for entry in os.listdir(SHM):
-        if entry.startswith("dpex-") and entry[5:].isdigit() and not os.path.exists(f"/proc/{entry[5:]}"):
+        pid = _daemon_pid(entry)
+        if pid is not None and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(SHM, entry), ignore_errors=True)
     path = os.path.join(SHM, f"dpex-{os.getpid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)

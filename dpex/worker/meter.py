@@ -65,9 +65,10 @@ class Meter:
                 self.busy_fraction = (self.busy_s - busy_then) / ((now - then) * self.processes)
             return self.busy_fraction
 
-    def load(self, buffer_batches: int, running_batches: int, busy_fraction: float) -> dpb.WorkerLoad:
+    def load(self, buffer_batches: int, running_batches: int) -> dpb.WorkerLoad:
+        """The counters, with the busy fraction of the last window()."""
         with self._lock:
-            return dpb.WorkerLoad(processes=self.processes, busy_fraction=busy_fraction,
+            return dpb.WorkerLoad(processes=self.processes, busy_fraction=self.busy_fraction,
                                   buffer_batches=buffer_batches, running_batches=running_batches,
                                   batches_produced=self.batches_produced, bytes_produced=self.bytes_produced,
                                   batches_sent=self.batches_sent, bytes_sent=self.bytes_sent,

@@ -19,7 +19,6 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
 from dpex.worker import handoff
-from dpex.worker.handoff import Handoff
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, Task, crash_frame, produce
 from dpex.worker.stream import StreamRunner
@@ -27,7 +26,7 @@ from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
 
-Frame = "bytes | Handoff"  # a Handoff: the frame lies in a /dev/shm file (dpex.worker.handoff)
+Frame = "bytes | handoff.Handoff"  # a Handoff: the frame lies in a /dev/shm file (dpex.worker.handoff)
 Sink = Callable[[Frame], None]
 
 
@@ -164,6 +163,11 @@ class Scheduler:
         with self._cond:
             return len(self._ready), len(self._running)
 
+    def load(self) -> dpb.WorkerLoad:
+        """The worker's counters with its buffered and running batches now."""
+        ready, running = self.depth()
+        return self.meter.load(buffer_batches=ready, running_batches=running)
+
     # ---- requests from trainers ----------------------------------------------------
     def request(self, key: Key, sink: Sink) -> None:
         with self._cond:
@@ -251,7 +255,7 @@ class Scheduler:
             log.error("batch failed in the pool: %s", e,
                       extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
             frame = crash_frame(task, e, self._address)
-        self.meter.produced(frame.size if isinstance(frame, Handoff) else len(frame))
+        self.meter.produced(handoff.size_of(frame))
         with self._cond:
             self._running.pop(key, None)
             self.meter.running(len(self._running))

@@ -97,14 +97,11 @@ class WorkerServer:
                  "auth: NONE - anyone who can reach this port may fetch batches")
 
     def _metrics(self) -> list:
-        meter = self.scheduler.meter
-        ready, running = self.scheduler.depth()
         held = GaugeMetricFamily("dpex_worker_splits_held", "Splits this worker holds.")
         held.add_metric([], len(self.scheduler.held_split_ids()))
         busy = CounterMetricFamily("dpex_worker_busy_seconds", "Process-seconds spent producing batches.")
-        busy.add_metric([], meter.busy_seconds())
-        return [held, busy, *load_metrics([([], meter.load(ready, running, meter.busy_fraction))],
-                                          "dpex_worker_", [])]
+        busy.add_metric([], self.scheduler.meter.busy_seconds())
+        return [held, busy, *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None

@@ -13,15 +13,12 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
 from dpex.wire import build_frame, parse_frame
 from dpex.worker import handoff
-from dpex.worker.handoff import Handoff
+from dpex.worker.handoff import HOST_METADATA, Handoff
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")
 
 _SERVICE = "dpex.v1.Worker"
-
-
-HOST_METADATA = "dpex-host"  # a trainer's host id: same as ours, it may map hand-off files
 
 
 def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
@@ -81,7 +78,7 @@ class WorkerService:
                 frame = out.get()
                 if frame is None:
                     return
-                self._meter.sent(frame.size if isinstance(frame, Handoff) else len(frame))
+                self._meter.sent(handoff.size_of(frame))
                 yield self._outgoing(frame, same_host)
         finally:
             self._meter.stream(-1)
