@@ -28,3 +28,18 @@ def die_with_parent_from_env() -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent:
         die_with_parent(int(parent))
+
+
+def reuse_freed_memory(keep_mb: int = 256) -> None:
+    """glibc: serve big buffers from the heap and keep up to ``keep_mb`` of
+    freed heap, for the processes that handle batches. By default a buffer
+    over 32 MiB is a fresh mapping each time, page-faulted in and zeroed
+    (a 36.8 MB float32 batch cost as much in faults as in copying); now
+    one batch's buffer is reused by the next. A no-op without glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_max = -1, -4
+    mallopt(m_mmap_max, 0)
+    mallopt(m_trim_threshold, keep_mb << 20)

@@ -8,6 +8,7 @@ from dpex.cmd.common import (auth_options, fail, log_options, message_limit_opti
                              serve_until_signalled, setup_logging, tls_ca_option)
 from dpex.config import WorkerConfig
 from dpex.errors import DpexError
+from dpex.procutil import reuse_freed_memory
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -55,6 +56,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
       dpex-worker --dispatcher 10.0.0.1:7070 --processes 8
     """
     setup_logging(log_level, log_format)
+    reuse_freed_memory()  # frames are read, sent and freed per batch: reuse their memory
     from dpex.worker.server import WorkerServer
     try:
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,

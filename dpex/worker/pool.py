@@ -17,7 +17,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, NamedTuple
 
-from dpex.procutil import die_with_parent
+from dpex.procutil import die_with_parent, reuse_freed_memory
 from dpex.worker import handoff
 from dpex.worker.handoff import Handoff
 
@@ -81,6 +81,7 @@ def init_process(worker_address: str) -> None:
     global _worker_address
     _worker_address = worker_address
     die_with_parent()  # even if the daemon is SIGKILLed
+    reuse_freed_memory()  # a batch-sized buffer is reused, not mapped and faulted in anew
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism

@@ -35,13 +35,16 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
 
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
-                 max_frame_bytes: int, worker_address: str, shared_memory: bool = True) -> None:
+                 max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
+                 spare_files: int = 0) -> None:
+        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff)."""
         self._scheduler = scheduler
         self._inspect = inspect
         self._max_frame = max_frame_bytes
         self._address = worker_address
         self._meter = scheduler.meter
         self._host = handoff.host_id() if shared_memory else ""
+        self._spares = spare_files
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Responses are pre-serialized Batch frames built by the pool's
@@ -94,7 +97,7 @@ class WorkerService:
                 meta = wpb.Batch.FromString(frame.meta)
                 meta.shm_path, meta.shm_size = frame.path, frame.size
                 return build_frame(meta)
-            frame = handoff.take(frame)
+            frame = handoff.take(frame, self._spares)
         if len(frame) > self._max_frame:
             return oversize_frame(frame, self._max_frame, self._address)
         return frame

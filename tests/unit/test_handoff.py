@@ -19,6 +19,22 @@ def test_write_then_take_round_trips_and_removes_the_file(tmp_path):
     assert not os.path.exists(sent.path)
 
 
+def test_a_sent_file_is_kept_as_a_spare_and_the_next_frame_overwrites_it(tmp_path):
+    big = handoff.write(str(tmp_path), "f1", [b"a" * 10_000])
+    inode = os.stat(big.path).st_ino
+    assert handoff.take(big, spares=1) == b"a" * 10_000
+    assert os.listdir(tmp_path) == [handoff.SPARE + "f1"]
+    small = handoff.write(str(tmp_path), "f2", [b"b" * 100, b"c"])  # reuses the spare's pages
+    assert os.listdir(tmp_path) == ["f2"] and os.stat(small.path).st_ino == inode
+    assert handoff.take(small, spares=1) == b"b" * 100 + b"c"  # no stale tail of the bigger frame
+    third = handoff.write(str(tmp_path), "f3", [b"d"])
+    fourth = handoff.write(str(tmp_path), "f4", [b"e"])  # no spare left: a new file
+    handoff.take(third, spares=1)
+    handoff.take(fourth, spares=1)  # one spare is enough: removed
+    assert os.listdir(tmp_path) == [handoff.SPARE + "f3"]
+    assert not handoff.is_handoff_path(f"{handoff.SHM}/dpex-1/{handoff.SPARE}f3")  # never mapped by a trainer
+
+
 def test_write_falls_back_when_it_cannot(tmp_path):
     assert handoff.write(str(tmp_path / "missing"), "f1", [b"x"]) is None
 
@@ -54,5 +70,7 @@ def test_big_batches_arrive_intact_and_the_worker_leaves_nothing_in_dev_shm(shar
                 assert torch.equal(batch["x"], want)
                 batch["x"] += 1  # the trainer owns its batches: writable, and private
             assert dl.stats().bytes_received >= 4 * 1_600_000
-            assert os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}")) == []  # every file taken
+            left = os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}"))
+            assert all(f.startswith(handoff.SPARE) for f in left)  # every frame taken
+            assert len(left) <= (0 if shared_memory else 1)  # spares: at most one per batch process (1 here)
     assert not os.path.exists(os.path.join(handoff.SHM, f"dpex-{pid}"))
