@@ -143,6 +143,7 @@ class EpochFetcher:
         self._n = num_streams
         self._ends: dict[int, int] = {}            # stream -> its number of batches
         self._window = window
+        self._group = max(1, window // 4)
         self._ordered = ordered
         self._timeout_s = timeout_s
         self._transform = transform
@@ -254,33 +255,43 @@ class EpochFetcher:
             raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
         return (self._transform(batch) if self._transform is not None else batch), nbytes
 
-    def _send(self, seq: int, address: str) -> None:
-        self._requested[seq] = address
-        self._streams.send(address, wpb.FetchRequest(job_id=self._job_id, consumer_index=self._consumer,
-                                                     epoch=self._epoch, seq=seq))
+    def _send(self, asks: dict[str, list[int]]) -> None:
+        """One request per worker, naming every batch asked of it."""
+        for address, seqs in asks.items():
+            for seq in seqs:
+                self._requested[seq] = address
+            self._streams.send(address, wpb.FetchRequest(
+                job_id=self._job_id, consumer_index=self._consumer, epoch=self._epoch,
+                seq=seqs[0], more_seqs=seqs[1:]))
 
     def _top_up(self) -> None:
         outstanding = len(self._requested) + len(self._received)
         # The next batch in order is always asked for, whatever the window: a
         # window full of later batches must not block the one we wait for.
         urgent = self._next if self._ordered else -1
+        # Credits go out in groups once a quarter of the window is free: one
+        # message (and one wake-up of each thread on its way) per group.
+        room = self._window - outstanding >= self._group
+        asks: dict[str, list[int]] = {}
         for seq in sorted(self._retry):
             address = self._route(seq)
             if address is not None and (outstanding < self._window or seq == urgent):
                 self._retry.discard(seq)
-                self._send(seq, address)
+                asks.setdefault(address, []).append(seq)
                 outstanding += 1
         limit = self._limit()
-        while (limit is None or self._cursor < limit) and (outstanding < self._window or self._cursor == urgent):
+        while (limit is None or self._cursor < limit) and (
+                (room and outstanding < self._window) or self._cursor == urgent):
             if not self._exists(self._cursor):
                 self._cursor += 1
                 continue
             address = self._route(self._cursor)
             if address is None:
                 break
-            self._send(self._cursor, address)
+            asks.setdefault(address, []).append(self._cursor)
             self._cursor += 1
             outstanding += 1
+        self._send(asks)
 
     def _route(self, seq: int) -> str | None:
         address = self._owner.get(self._owner_key(seq))

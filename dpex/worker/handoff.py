@@ -7,20 +7,27 @@ A trainer on the same host (same boot, same /dev/shm) gets only the file's
 name and maps the file itself: no copy at all between batch process and
 trainer, and no gRPC for the bytes.
 
-A file the daemon has read (to send its bytes over gRPC) is kept as a spare
-(``.spare-*``, up to the pool's process count) and the next frame is written
-over its pages: tmpfs then allocates and frees nothing per batch, which was
-half the cost of a hand-off. Files a trainer maps are never reused."""
+Files are reused: tmpfs allocating and freeing every page of every frame was
+half the cost of a hand-off on the worker, and a third of a same-host
+trainer's CPU. A file the daemon has read (to send its bytes over gRPC)
+becomes a spare (``.spare-*``) at once. A file a trainer maps is renamed
+``.lent-<trainer pid>-*`` and becomes a spare only when the trainer's mapping
+is gone (its batch was freed), so a mapped page is never overwritten; lent
+files of trainers that died are removed by the worker. Batch processes write
+each frame over a spare's pages when there is one, keeping at most one spare
+per process."""
 from __future__ import annotations
 
 import mmap
 import os
 import shutil
+import weakref
 from typing import NamedTuple
 
 SHM = "/dev/shm"
 MIN_BYTES = 1 << 20  # below this the pipe is as cheap
 SPARE = ".spare-"  # a file read and sent, kept for the next frame to overwrite
+LENT = ".lent-"    # a file a trainer has mapped: .lent-<trainer pid>-<name>
 HOST_METADATA = "dpex-host"  # a trainer's host id on its Fetch stream: the same as ours, it may map files
 
 
@@ -50,7 +57,7 @@ def discard(item: "bytes | Handoff") -> None:
     if isinstance(item, Handoff):
         try:
             os.unlink(item.path)
-        except OSError:
+        except OSError:  # gone, or not ours to remove
             pass
 
 
@@ -70,19 +77,60 @@ def is_handoff_path(path: str) -> bool:
 
 def map_frame(path: str, size: int) -> memoryview:
     """A same-host trainer's view of a hand-off file: mapped (private, so the
-    tensors are writable without touching the file), then the file removed."""
+    tensors are writable without touching the file) and lent: the file goes
+    back to the worker as a spare once the mapping is gone."""
     if not is_handoff_path(path):
         raise OSError(f"not a dpex hand-off file: {path!r}")
     fd = os.open(path, os.O_RDONLY)
     try:
         actual = os.fstat(fd).st_size
         if actual != size or size == 0:
+            _unlink(path)
             raise OSError(f"hand-off file {path} is {actual} bytes, expected {size}")
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-        os.unlink(path)
+    directory, name = os.path.split(path)
+    lent = os.path.join(directory, f"{LENT}{os.getpid()}-{name}")
+    try:
+        os.rename(path, lent)
+    except OSError:  # the worker removed it meanwhile: the mapping holds the data
+        return memoryview(mapped)
+    # Runs once the mapping is unmapped, i.e. when the batch's last tensor dies.
+    weakref.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name)).atexit = False
     return memoryview(mapped)
+
+
+def _give_back(lent: str, spare: str) -> None:
+    try:
+        os.rename(lent, spare)
+    except OSError:  # the worker exited or removed it: nothing to give back
+        pass
+
+
+def sweep_lent(directory: str | None) -> None:
+    """Removes files lent to trainers that are gone (they never give them
+    back). Removing one still mapped would be harmless: the mapping stays."""
+    if not directory:
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix(LENT).split("-", 1)[0]
+        if name.startswith(LENT) and pid.isdigit() and not _alive(int(pid)):
+            _unlink(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a trainer killed an instant
+    ago may not have been reaped yet when its stream ends)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def make_dir() -> str | None:
@@ -103,11 +151,12 @@ def remove_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write(directory: str, name: str, parts: list, meta: bytes = b"") -> Handoff | None:
+def write(directory: str, name: str, parts: list, meta: bytes = b"", keep_spares: int = 1) -> Handoff | None:
     """Writes the frame's parts to a file (over a spare's pages when there is
-    one); None if it cannot (the pipe it is)."""
+    one, removing spares beyond ``keep_spares``); None if it cannot (the pipe
+    it is)."""
     path = os.path.join(directory, name)
-    fd = _claim_spare(directory, path)
+    fd = _claim_spare(directory, path, keep_spares)
     reused = fd is not None
     try:
         if fd is None:
@@ -132,22 +181,34 @@ def write(directory: str, name: str, parts: list, meta: bytes = b"") -> Handoff 
     return Handoff(path, size, meta)
 
 
-def _claim_spare(directory: str, path: str) -> int | None:
+def _claim_spare(directory: str, path: str, keep: int) -> int | None:
     """Renames a spare file to ``path`` and opens it for writing, if any."""
     try:
         spares = [n for n in os.listdir(directory) if n.startswith(SPARE)]
     except OSError:
         return None
-    for spare in spares:
+    fd = None
+    for i, spare in enumerate(spares):
+        if fd is not None:
+            if len(spares) - i > keep:  # more than are needed: trainers gave back a window's worth
+                _unlink(os.path.join(directory, spare))
+            continue
         try:
             os.rename(os.path.join(directory, spare), path)
         except OSError:
             continue  # another process took it first
         try:
-            return os.open(path, os.O_WRONLY)
+            fd = os.open(path, os.O_WRONLY)
         except OSError:
             return None
-    return None
+    return fd
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def take(handoff: Handoff, spares: int = 0) -> bytes:
@@ -171,7 +232,4 @@ def _recycle(path: str, spares: int) -> None:
             return
     except OSError:
         pass
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    _unlink(path)

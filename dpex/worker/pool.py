@@ -200,7 +200,7 @@ def produce(task: Task) -> bytes | Handoff:
     parts = frame_parts(meta, parts)
     if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= _handoff_min_bytes:
         _produced += 1
-        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0])
+        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0], _num_children)
         if sent is not None:
             return sent
     return b"".join(parts)
@@ -244,7 +244,7 @@ class BatchPool:
         self._address = worker_address
         self._lock = threading.Lock()
         self._closed = False
-        self._handoff_dir = handoff.make_dir() if shared_memory else None
+        self.handoff_dir = handoff.make_dir() if shared_memory else None
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
@@ -252,7 +252,7 @@ class BatchPool:
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
                                        initializer=_init_child,
                                        initargs=(self._address, context.Value("i", 0), self._processes,
-                                                 self._handoff_dir, self._handoff_min_bytes))
+                                                 self.handoff_dir, self._handoff_min_bytes))
         # Start every child now, not at the first batch.
         for f in [executor.submit(_warm_up) for _ in range(self._processes)]:
             f.result()
@@ -276,7 +276,7 @@ class BatchPool:
                 return
             self._closed = True
             self._executor.shutdown(wait=True, cancel_futures=True)
-            handoff.remove_dir(self._handoff_dir)
+            handoff.remove_dir(self.handoff_dir)
 
 
 def crash_frame(task: Task, exc: BaseException, worker_address: str) -> bytes:

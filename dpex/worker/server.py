@@ -81,7 +81,7 @@ class WorkerServer:
                                        worker_address=self.address, meter=Meter(config.processes))
             service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
                                     worker_address=self.address, shared_memory=config.shared_memory,
-                                    spare_files=config.processes)
+                                    handoff_dir=self.pool.handoff_dir, spare_files=config.processes)
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()

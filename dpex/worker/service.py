@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from typing import Callable
 
 import grpc
@@ -19,6 +20,7 @@ from dpex.worker.scheduler import Key, Scheduler
 log = logging.getLogger("dpex.worker")
 
 _SERVICE = "dpex.v1.Worker"
+_UNMAPPED_KEPT = 4096  # far more than a trainer's window: older pointer frames were mapped long ago
 
 
 def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
@@ -36,15 +38,16 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
                  max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
-                 spare_files: int = 0) -> None:
-        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff)."""
+                 handoff_dir: str | None = None, spare_files: int = 0) -> None:
+        """``handoff_dir``, ``spare_files``: the batch processes' hand-off files
+        and how many to keep for reuse once sent (dpex.worker.handoff)."""
         self._scheduler = scheduler
         self._inspect = inspect
         self._max_frame = max_frame_bytes
         self._address = worker_address
         self._meter = scheduler.meter
         self._host = handoff.host_id() if shared_memory else ""
-        self._spares = spare_files
+        self._handoff_dir, self._spares = handoff_dir, spare_files
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Responses are pre-serialized Batch frames built by the pool's
@@ -67,7 +70,8 @@ class WorkerService:
         def read() -> None:
             try:
                 for r in request_iterator:
-                    self._scheduler.request(Key(r.epoch, r.seq, r.consumer_index, r.job_id), sink)
+                    for seq in (r.seq, *r.more_seqs):
+                        self._scheduler.request(Key(r.epoch, seq, r.consumer_index, r.job_id), sink)
             except Exception as e:  # the client went away mid-message
                 log.debug("fetch stream closed: %s", e)
 
@@ -75,6 +79,8 @@ class WorkerService:
         reader = threading.Thread(target=read, name="dpex-fetch-reader", daemon=True)
         reader.start()
         same_host = bool(self._host) and (HOST_METADATA, self._host) in tuple(context.invocation_metadata())
+        pointed: deque[Handoff] = deque(maxlen=_UNMAPPED_KEPT)  # files named to a same-host trainer
+        handoff.sweep_lent(self._handoff_dir)  # trainers that died before us may have left some
         self._meter.stream(+1)
         try:
             while True:
@@ -82,12 +88,17 @@ class WorkerService:
                 if frame is None:
                     return
                 self._meter.sent(handoff.size_of(frame))
+                if same_host and isinstance(frame, Handoff):
+                    pointed.append(frame)
                 yield self._outgoing(frame, same_host)
         finally:
             self._meter.stream(-1)
             self._scheduler.cancel(sink)
             while not out.empty():  # asked for, produced, never sent
                 handoff.discard(out.get())
+            for frame in pointed:  # named but never mapped (a mapped one was renamed): the trainer left
+                handoff.discard(frame)
+            handoff.sweep_lent(self._handoff_dir)
 
     def _outgoing(self, frame: "bytes | Handoff", same_host: bool) -> bytes:
         """What goes on the wire: the file's name for a same-host trainer,

@@ -1,11 +1,15 @@
 """Large frames between a batch process and its daemon go through /dev/shm."""
+import gc
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import dpex
-from dpex.testing import test_cluster
+from dpex.testing import test_cluster, wait_until
 from dpex.worker import handoff
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(handoff.SHM), reason="no /dev/shm")
@@ -58,19 +62,59 @@ def test_only_files_in_a_dpex_directory_are_mapped_or_removed():
         handoff.map_frame("/etc/passwd", 10)
 
 
+def _want(i: int, dim: int = 100_000) -> torch.Tensor:
+    return torch.stack([torch.arange(dim, dtype=torch.float32) + j * j for j in range(4 * i, 4 * i + 4)])
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
-def test_big_batches_arrive_intact_and_the_worker_leaves_nothing_in_dev_shm(shared_memory):
-    with test_cluster(num_workers=1, worker_flags=()) as c:  # the default 1 MiB threshold
-        pid = c.workers[0].process.pid
-        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=16, dim=100_000)  # 1.6 MB batches
+def test_big_batches_arrive_intact_and_files_are_reused_never_while_mapped(shared_memory):
+    with test_cluster(num_workers=1, processes=2, worker_flags=()) as c:  # the default 1 MiB threshold
+        directory = os.path.join(handoff.SHM, f"dpex-{c.workers[0].process.pid}")
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=32, dim=100_000)  # 1.6 MB batches
         with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=30, shared_memory=shared_memory) as dl:
-            for i, batch in enumerate(dl):
-                want = torch.stack([torch.arange(100_000, dtype=torch.float32) + j * j
-                                    for j in range(4 * i, 4 * i + 4)])
-                assert torch.equal(batch["x"], want)
-                batch["x"] += 1  # the trainer owns its batches: writable, and private
-            assert dl.stats().bytes_received >= 4 * 1_600_000
-            left = os.listdir(os.path.join(handoff.SHM, f"dpex-{pid}"))
-            assert all(f.startswith(handoff.SPARE) for f in left)  # every frame taken
-            assert len(left) <= (0 if shared_memory else 1)  # spares: at most one per batch process (1 here)
-    assert not os.path.exists(os.path.join(handoff.SHM, f"dpex-{pid}"))
+            for epoch in range(3):
+                kept = list(dl)  # every batch of the epoch alive while the worker goes on writing
+                for i, batch in enumerate(kept):
+                    assert torch.equal(batch["x"], _want(i)), (epoch, i)
+                    batch["x"] += 1  # the trainer owns its batches: writable, and private
+                lent = [f for f in os.listdir(directory) if f.startswith(f"{handoff.LENT}{os.getpid()}-")]
+                assert len(lent) == (8 if shared_memory else 0)
+                assert dl.stats().bytes_received >= 8 * 1_600_000 * (epoch + 1)
+                del kept, batch
+                gc.collect()  # the mappings go: their files come back as spares
+                left = os.listdir(directory)
+                assert left and all(f.startswith(handoff.SPARE) for f in left), left  # every frame taken
+                assert len(left) <= (8 if shared_memory else 2)  # gRPC: one per batch process
+    assert not os.path.exists(directory)
+
+
+TRAINER = textwrap.dedent("""
+    import sys, dpex
+    dl = dpex.RemoteDataLoader(sys.argv[1], dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64, dim=100_000),
+                               batch_size=4, window=6)
+    it = iter(dl)
+    held = [next(it) for _ in range(3)]
+    print("holding", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_files_of_a_trainer_killed_while_holding_batches_are_removed():
+    with test_cluster(num_workers=1, worker_flags=(), consumer_timeout_s=3.0) as c:
+        directory = os.path.join(handoff.SHM, f"dpex-{c.workers[0].process.pid}")
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, c.address], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        assert trainer.stdout.readline().strip() == "holding"
+        mine = f"{handoff.LENT}{trainer.pid}-"
+        assert sum(f.startswith(mine) for f in os.listdir(directory)) == 3
+        trainer.kill()
+        trainer.wait()
+
+        def frames() -> list[str]:
+            return [f for f in os.listdir(directory) if not f.startswith(handoff.SPARE)]
+        # Its stream ends: the files it mapped and those it was named but never
+        # mapped go; what is left is the worker's own buffer (--buffer-batches 8)...
+        wait_until(lambda: not any(f.startswith(mine) for f in frames()) and len(frames()) <= 8, 30,
+                   "the dead trainer's files to be removed")
+        # ... which goes when the dispatcher releases the trainer's job.
+        wait_until(lambda: not frames(), 30, "the released job's buffered frames to be removed")
