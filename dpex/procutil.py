@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import Any
 
 PARENT_ENV = "DPEX_PARENT_PID"
 
@@ -30,16 +31,34 @@ def die_with_parent_from_env() -> None:
         die_with_parent(int(parent))
 
 
+def _mallopt() -> Any:
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+
+
 def reuse_freed_memory(keep_mb: int = 256) -> None:
     """glibc: serve big buffers from the heap and keep up to ``keep_mb`` of
-    freed heap, for the processes that handle batches. By default a buffer
-    over 32 MiB is a fresh mapping each time, page-faulted in and zeroed
-    (a 36.8 MB float32 batch cost as much in faults as in copying); now
-    one batch's buffer is reused by the next. A no-op without glibc."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_max = -1, -4
-    mallopt(m_mmap_max, 0)
-    mallopt(m_trim_threshold, keep_mb << 20)
+    freed heap, for the worker daemon, which reads, sends and frees a frame
+    per batch. By default a buffer over 32 MiB is a fresh mapping each time,
+    page-faulted in and zeroed (a 36.8 MB float32 frame cost as much in faults
+    as in copying); now one frame's buffer is reused by the next."""
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(_M_MMAP_MAX, 0)
+        mallopt(_M_TRIM_THRESHOLD, keep_mb << 20)
+
+
+def map_big_buffers(threshold_mb: int = 1) -> None:
+    """glibc: buffers of ``threshold_mb`` or more are always their own
+    mappings, for the batch processes. glibc's default raises that threshold
+    to the size of the first big buffer freed, after which batches live in
+    the heap, and the small objects user code keeps (an epoch's RNG states)
+    split the hole a batch leaves: a process grew by one batch per epoch."""
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, threshold_mb << 20)

@@ -168,3 +168,16 @@ class NodeFiles(Dataset):
             node, index = f.read().split(":")
         time.sleep(self.delay_s)
         return {"i": int(index), "node": node}
+
+
+class Cached(Dataset):
+    """Every sample is the same uint8 image held in memory (a decoded cache)."""
+
+    def __init__(self, n: int = 64, shape: tuple = (3, 224, 224)) -> None:
+        self.n, self.image = n, torch.zeros(shape, dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.image

@@ -17,8 +17,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, NamedTuple
 
-from dpex.procutil import die_with_parent, reuse_freed_memory
+from dpex.procutil import die_with_parent, map_big_buffers
 from dpex.worker import handoff
+from dpex.worker.arena import Arena
 from dpex.worker.handoff import Handoff
 
 log = logging.getLogger("dpex.worker")
@@ -42,6 +43,7 @@ _child_index, _num_children = 0, 1
 _handoff_dir: str | None = None
 _handoff_min_bytes = handoff.MIN_BYTES
 _produced = 0
+_arena = Arena()
 
 
 class _Job(NamedTuple):
@@ -81,7 +83,7 @@ def init_process(worker_address: str) -> None:
     global _worker_address
     _worker_address = worker_address
     die_with_parent()  # even if the daemon is SIGKILLed
-    reuse_freed_memory()  # a batch-sized buffer is reused, not mapped and faulted in anew
+    map_big_buffers()  # batches are mapped and unmapped whole: they cannot fragment the heap
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
@@ -155,18 +157,12 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
 
 
 def collate(job: _Job, samples: list) -> Any:
-    """The job's collate_fn. torch's default_collate, run in a worker, stacks
-    into a new shared-memory segment for the main process to map; ours goes
-    into a hand-off file instead, so it stacks into ordinary memory."""
+    """The job's collate_fn; torch's default_collate stacks into this
+    process's arena (dpex.worker.arena) instead of shared memory."""
     from torch.utils.data import default_collate
-    from torch.utils.data._utils import worker as torch_worker
     if job.collate is not default_collate:
         return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
-    info, torch_worker._worker_info = torch_worker._worker_info, None
-    try:
-        return default_collate(samples)
-    finally:
-        torch_worker._worker_info = info
+    return _arena.collate(samples)
 
 
 def produce(task: Task) -> bytes | Handoff:
@@ -179,6 +175,7 @@ def produce(task: Task) -> bytes | Handoff:
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
     stage, index = "build", -1
+    _arena.reset()  # the previous batch was written out
     try:
         job = load_job(task.job_id, task.job_path)
         stage = "worker_init_fn"

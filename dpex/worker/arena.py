@@ -1,0 +1,55 @@
+"""A batch process's reusable memory for default_collate.
+
+torch's default_collate, run in a worker, stacks every batch into a new
+shared-memory segment for the main process to map. A Dpex batch goes into a
+hand-off file or a gRPC message instead, so a batch process stacks each
+batch into the same buffer: no pages to fault in and zero per batch, and no
+batch-sized holes in the heap (a fresh buffer per batch made glibc serve
+batches from the heap, where the small objects an epoch keeps split the hole
+each batch left, and the process grew by a batch per epoch).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+
+_ALIGN = 64
+
+
+class Arena:
+    """One buffer the tensors of a batch are carved from, reused for the next
+    batch once ``reset()``; it grows to the largest batch seen."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+        self._wanted = 0  # the batch that did not fit: the size to grow to
+
+    def reset(self) -> None:
+        """The last batch is gone (written out): its memory is free again."""
+        if self._wanted > self._buffer.numel():
+            self._buffer = torch.empty(self._wanted, dtype=torch.uint8)
+        self._used = self._wanted = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        start = -(-self._used // _ALIGN) * _ALIGN
+        self._used = start + nbytes
+        if self._used > self._buffer.numel():
+            self._wanted = max(self._wanted, self._used)
+            return torch.empty(shape, dtype=dtype)  # this batch only; the next one fits
+        return self._buffer[start:self._used].view(dtype).view(shape)
+
+    def collate(self, samples: list) -> Any:
+        """torch's default_collate, with tensors stacked into this arena."""
+        return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+
+    def _stack(self, batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
+        elem = batch[0]
+        if elem.is_nested or elem.layout != torch.strided or elem.device.type != "cpu" or any(
+                x.shape != elem.shape for x in batch):
+            return collate_tensor_fn(batch)  # torch's own checks and messages
+        out = self.empty((len(batch), *elem.shape), elem.dtype)
+        return torch.stack(batch, 0, out=out)
