@@ -8,8 +8,9 @@ host gets) and same-host (the trainer maps the worker's /dev/shm files).
 
 The bare transports send pre-built bytes from a server process to this
 process; Dpex also builds the batches (collate, encode) in its worker's
-processes. Reported: GB/s into the trainer, the ratio to bare gRPC, and the
-trainer's CPU seconds per GB received; peak RSS of worker and trainer.
+processes. Reported: GB/s into the trainer, the ratio to bare gRPC, the
+trainer's CPU seconds per GB received, and the worker's (daemon, and its batch
+processes); peak RSS of worker and trainer.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def bare_tcp(size: int, count: int) -> tuple[float, float]:
 
 
 def dpex_run(cluster, dtype: str, count: int, batch: int,
-             shared_memory: bool) -> tuple[float, float, int, float, float]:
+             shared_memory: bool) -> tuple[float, float, int, float, float, float, float]:
     spec = dpex.DatasetSpec("benchmarks.pipeline:LargeBatches", count * batch, dtype)
     me = [os.getpid()]
     with dpex.RemoteDataLoader(cluster.address, spec, batch_size=batch, timeout=300, shared_memory=shared_memory,
@@ -107,14 +108,17 @@ def dpex_run(cluster, dtype: str, count: int, batch: int,
         for _ in dl:  # warm-up epoch
             pass
         workers = [pid for w in cluster.workers for pid in tree(w.process.pid)]
+        daemons = [w.process.pid for w in cluster.workers]
+        processes = [pid for pid in workers if pid not in daemons]
         reset_peak(workers + me)
         dl.stats(reset=True)
-        cpu0, start = cpu_s(me), time.perf_counter()
+        cpu0, start = [cpu_s(p) for p in (me, daemons, processes)], time.perf_counter()
         for _ in dl:
             pass
-        wall, cpu = time.perf_counter() - start, cpu_s(me) - cpu0
+        wall = time.perf_counter() - start
+        cpu, daemon_cpu, process_cpu = (cpu_s(p) - c for p, c in zip((me, daemons, processes), cpu0))
         got = dl.stats().bytes_received
-    return got / wall, cpu, got, peak_rss_mb(workers), peak_rss_mb(me)
+    return got / wall, cpu, got, peak_rss_mb(workers), peak_rss_mb(me), daemon_cpu, process_cpu
 
 
 def main() -> None:
@@ -131,9 +135,9 @@ def main() -> None:
             g_rate, g_cpu = bare_grpc(size, n)
             t_rate, t_cpu = bare_tcp(size, n)
             for path, shm in (("gRPC", False), ("same-host", True)):
-                rate, cpu, got, wrss, trss = dpex_run(cluster, dtype, n, B, shm)
+                rate, cpu, got, wrss, trss, dcpu, pcpu = dpex_run(cluster, dtype, n, B, shm)
                 rows.append((f"{dtype}/{path}", size, rate, cpu / (got / 1e9), g_rate, g_cpu / (size * n / 1e9),
-                             t_rate, t_cpu / (size * n / 1e9), wrss, trss))
+                             t_rate, t_cpu / (size * n / 1e9), wrss, trss, dcpu / (got / 1e9), pcpu / (got / 1e9)))
                 print(f"{dtype}: dpex over {path} {rate / 1e9:.2f} GB/s, bare gRPC {g_rate / 1e9:.2f} GB/s, "
                       f"bare TCP {t_rate / 1e9:.2f} GB/s", flush=True)
     print(f"\n{n} batches of {B}x3x224x224 per run, worker with {args.processes} processes, "
@@ -142,11 +146,11 @@ def main() -> None:
           "trainer maps the worker's /dev/shm files (the default on one machine)")
     print(f"{'dtype/path':17} {'MB/batch':>8} {'dpex GB/s':>9} {'gRPC GB/s':>9} {'TCP GB/s':>8} {'dpex/gRPC':>9} "
           f"{'dpex/TCP':>8} {'trainer CPU s/GB: dpex':>22} {'gRPC':>5} {'TCP':>5} {'RSS MB worker':>13} "
-          f"{'trainer':>7}")
-    for dtype, size, rate, cpu_gb, g_rate, g_cpu_gb, t_rate, t_cpu_gb, wrss, trss in rows:
+          f"{'trainer':>7} {'worker CPU s/GB: daemon':>23} {'processes':>9}")
+    for dtype, size, rate, cpu_gb, g_rate, g_cpu_gb, t_rate, t_cpu_gb, wrss, trss, d_gb, p_gb in rows:
         print(f"{dtype:17} {size / 2**20:8.1f} {rate / 1e9:9.2f} {g_rate / 1e9:9.2f} {t_rate / 1e9:8.2f} "
               f"{rate / g_rate:9.3f} {rate / t_rate:8.3f} {cpu_gb:22.2f} {g_cpu_gb:5.2f} {t_cpu_gb:5.2f} "
-              f"{wrss:13.0f} {trss:7.0f}")
+              f"{wrss:13.0f} {trss:7.0f} {d_gb:23.2f} {p_gb:9.2f}")
 
 
 if __name__ == "__main__":
