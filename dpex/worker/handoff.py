@@ -97,13 +97,27 @@ def map_frame(path: str, size: int) -> memoryview:
     except OSError:  # the worker removed it meanwhile: the mapping holds the data
         return memoryview(mapped)
     # Runs once the mapping is unmapped, i.e. when the batch's last tensor dies.
-    weakref.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name)).atexit = False
+    weakref.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name), _forks).atexit = False
     return memoryview(mapped)
 
 
-def _give_back(lent: str, spare: str) -> None:
+_forks = 0  # a child forked while a file was mapped maps it too: that file is not given back
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(before=_count_fork)
+
+
+def _give_back(lent: str, spare: str, forks: int) -> None:
     try:
-        os.rename(lent, spare)
+        if forks == _forks:
+            os.rename(lent, spare)
+        else:
+            os.unlink(lent)
     except OSError:  # the worker exited or removed it: nothing to give back
         pass
 

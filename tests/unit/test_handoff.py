@@ -118,3 +118,25 @@ def test_files_of_a_trainer_killed_while_holding_batches_are_removed():
                    "the dead trainer's files to be removed")
         # ... which goes when the dispatcher releases the trainer's job.
         wait_until(lambda: not frames(), 30, "the released job's buffered frames to be removed")
+
+
+def test_a_file_mapped_before_a_fork_is_not_given_back(tmp_path):
+    directory = os.path.join(handoff.SHM, f"dpex-{os.getpid()}")  # a name map_frame accepts
+    os.makedirs(directory, exist_ok=True)
+    try:
+        for fork, kept in ((False, [handoff.SPARE + "f"]), (True, [])):
+            path = handoff.write(directory, "f", [b"x" * 4096]).path
+            view = handoff.map_frame(path, 4096)
+            assert os.listdir(directory) == [f"{handoff.LENT}{os.getpid()}-f"]
+            if fork:  # the child maps the file too: it must never be overwritten
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0)
+                os.waitpid(pid, 0)
+            del view
+            gc.collect()
+            assert os.listdir(directory) == kept
+            for name in kept:
+                os.unlink(os.path.join(directory, name))
+    finally:
+        handoff.remove_dir(directory)
