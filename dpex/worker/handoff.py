@@ -147,6 +147,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def usage(directory: str | None) -> dict[str, int]:
+    """Bytes in the hand-off directory: frames (produced, not yet sent or
+    mapped), lent (mapped by trainers) and spare."""
+    used = {"frame": 0, "lent": 0, "spare": 0}
+    try:
+        entries = list(os.scandir(directory)) if directory else []
+    except OSError:
+        return used
+    for entry in entries:
+        kind = "spare" if entry.name.startswith(SPARE) else "lent" if entry.name.startswith(LENT) else "frame"
+        try:
+            used[kind] += entry.stat().st_size
+        except OSError:  # taken meanwhile
+            pass
+    return used
+
+
 def make_dir() -> str | None:
     """This daemon's hand-off directory (and removes those of dead daemons)."""
     if not os.path.isdir(SHM) or not os.access(SHM, os.W_OK):

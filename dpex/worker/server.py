@@ -16,6 +16,7 @@ from dpex.errors import DpexConfigError
 from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, load_metrics
 from dpex.rpc import add_health, listen, server_interceptors, server_options
+from dpex.worker import handoff
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, inspect
@@ -102,7 +103,11 @@ class WorkerServer:
         held.add_metric([], len(self.scheduler.held_split_ids()))
         busy = CounterMetricFamily("dpex_worker_busy_seconds", "Process-seconds spent producing batches.")
         busy.add_metric([], self.scheduler.meter.busy_seconds())
-        return [held, busy, *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
+        shm = GaugeMetricFamily("dpex_worker_shm_bytes", "Bytes of hand-off files in /dev/shm: frame (not yet "
+                                "sent or mapped), lent (mapped by a trainer), spare (kept for reuse).", labels=["kind"])
+        for kind, size in handoff.usage(self.pool.handoff_dir).items():
+            shm.add_metric([kind], size)
+        return [held, busy, shm, *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None

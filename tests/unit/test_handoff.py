@@ -4,9 +4,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import dpex
 from dpex.testing import test_cluster, wait_until
@@ -68,8 +70,13 @@ def _want(i: int, dim: int = 100_000) -> torch.Tensor:
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "grpc"])
 def test_big_batches_arrive_intact_and_files_are_reused_never_while_mapped(shared_memory):
-    with test_cluster(num_workers=1, processes=2, worker_flags=()) as c:  # the default 1 MiB threshold
+    with test_cluster(num_workers=1, processes=2, worker_flags=(), metrics=True) as c:  # the default 1 MiB threshold
         directory = os.path.join(handoff.SHM, f"dpex-{c.workers[0].process.pid}")
+
+        def shm_bytes(kind: str) -> float:
+            page = urllib.request.urlopen(c.workers[0].metrics_url, timeout=10).read().decode()
+            return next(s.value for f in text_string_to_metric_families(page) for s in f.samples
+                        if s.name == "dpex_worker_shm_bytes" and s.labels == {"kind": kind})
         spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=32, dim=100_000)  # 1.6 MB batches
         with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=30, shared_memory=shared_memory) as dl:
             for epoch in range(3):
@@ -79,12 +86,15 @@ def test_big_batches_arrive_intact_and_files_are_reused_never_while_mapped(share
                     batch["x"] += 1  # the trainer owns its batches: writable, and private
                 lent = [f for f in os.listdir(directory) if f.startswith(f"{handoff.LENT}{os.getpid()}-")]
                 assert len(lent) == (8 if shared_memory else 0)
+                assert shm_bytes("lent") == (sum(os.path.getsize(os.path.join(directory, f)) for f in lent)
+                                             if shared_memory else 0) and shm_bytes("frame") == 0
                 assert dl.stats().bytes_received >= 8 * 1_600_000 * (epoch + 1)
                 del kept, batch
                 gc.collect()  # the mappings go: their files come back as spares
                 left = os.listdir(directory)
                 assert left and all(f.startswith(handoff.SPARE) for f in left), left  # every frame taken
                 assert len(left) <= (8 if shared_memory else 2)  # gRPC: one per batch process
+                assert shm_bytes("lent") == 0 and shm_bytes("spare") >= 1_600_000
     assert not os.path.exists(directory)
 
 
