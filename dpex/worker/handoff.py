@@ -231,6 +231,7 @@ def _claim_spare(directory: str, path: str, keep: int) -> int | None:
         try:
             fd = os.open(path, os.O_WRONLY)
         except OSError:
+            _unlink(path)
             return None
     return fd
 
