@@ -19,16 +19,15 @@ _ALIGN = 64
 
 
 class Arena:
-    """One buffer the tensors of a batch are carved from, reused for the next
-    batch once ``reset()``; it grows to the largest batch seen."""
+    """One buffer the tensors of a batch are carved from, reused by the next
+    batch; it grows to the largest batch seen."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._used = 0
         self._wanted = 0  # the batch that did not fit: the size to grow to
 
-    def reset(self) -> None:
-        """The last batch is gone (written out): its memory is free again."""
+    def _reset(self) -> None:
         if self._wanted > self._buffer.numel():
             self._buffer = torch.empty(self._wanted, dtype=torch.uint8)
         self._used = self._wanted = 0
@@ -43,7 +42,9 @@ class Arena:
         return self._buffer[start:self._used].view(dtype).view(shape)
 
     def collate(self, samples: list) -> Any:
-        """torch's default_collate, with tensors stacked into this arena."""
+        """torch's default_collate, with tensors stacked into this arena: the
+        result is valid until the next call (callers encode it before)."""
+        self._reset()
         return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
 
     def _stack(self, batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:

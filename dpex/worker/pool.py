@@ -158,7 +158,8 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
 
 def collate(job: _Job, samples: list) -> Any:
     """The job's collate_fn; torch's default_collate stacks into this
-    process's arena (dpex.worker.arena) instead of shared memory."""
+    process's arena (dpex.worker.arena) instead of shared memory, so the
+    result must be encoded before the next call."""
     from torch.utils.data import default_collate
     if job.collate is not default_collate:
         return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
@@ -175,7 +176,6 @@ def produce(task: Task) -> bytes | Handoff:
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
     stage, index = "build", -1
-    _arena.reset()  # the previous batch was written out
     try:
         job = load_job(task.job_id, task.job_path)
         stage = "worker_init_fn"

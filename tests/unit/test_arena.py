@@ -22,15 +22,13 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def test_same_batches_as_default_collate_and_the_memory_is_reused():
+def test_same_batches_as_default_collate_and_each_batch_reuses_the_memory():
     arena = Arena()
-    first = arena.collate(_samples(4))  # the arena is empty: fresh tensors, and it grows afterwards
+    first = arena.collate(_samples(4))  # the arena is empty: fresh tensors, and it grows for the next
     assert _equal(first, default_collate(_samples(4)))
-    arena.reset()
     second = arena.collate(_samples(4))
     assert _equal(second, default_collate(_samples(4)))
     pointer = second["x"].data_ptr()
-    arena.reset()
     third = arena.collate(_samples(3))  # smaller: fits in the same memory
     assert _equal(third, default_collate(_samples(3)))
     assert third["x"].data_ptr() == pointer
