@@ -178,7 +178,11 @@ def make_dir() -> str | None:
 
 
 def remove_dir(path: str | None) -> None:
-    if path:
+    """Removes the directory, again if a file was renamed into it meanwhile
+    (a trainer giving a batch back while this daemon exits)."""
+    for _ in range(3):
+        if not path or not os.path.exists(path):
+            return
         shutil.rmtree(path, ignore_errors=True)
 
 

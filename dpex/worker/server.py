@@ -5,6 +5,7 @@ import ipaddress
 import logging
 import socket
 import tempfile
+import threading
 from concurrent import futures
 
 import grpc
@@ -23,6 +24,7 @@ from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
 from dpex.worker.service import WorkerService
 
+_SWEEP_EVERY_S = 5.0
 log = logging.getLogger("dpex.worker")
 
 
@@ -88,6 +90,9 @@ class WorkerServer:
             self._server.start()
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir.name)
             self.agent.start()
+            self._stopping = threading.Event()
+            self._janitor = threading.Thread(target=self._sweep, name="dpex-shm-janitor", daemon=True)
+            self._janitor.start()
             if config.metrics_port is not None:
                 self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
         except BaseException:
@@ -121,6 +126,13 @@ class WorkerServer:
     def wait(self) -> None:
         self._server.wait_for_termination()
 
+    def _sweep(self) -> None:
+        """Every few seconds, removes hand-off files lent to trainers that
+        died. A Fetch stream's end does it at once, but the trainer may not
+        be gone yet when its connection closes."""
+        while not self._stopping.wait(_SWEEP_EVERY_S):
+            handoff.sweep_lent(self.pool.handoff_dir)
+
     def close(self, grace_s: float = 2.0) -> None:
         """Drains: deregisters (the dispatcher re-plans our splits and trainers
         re-route), answers what is in flight for ``grace_s``, then stops."""
@@ -129,6 +141,9 @@ class WorkerServer:
         self._closed = True
         if hasattr(self, "_health"):
             self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while we drain
+        if hasattr(self, "_stopping"):
+            self._stopping.set()
+            self._janitor.join()
         if self.agent is not None:
             self.agent.close(deregister=True)
         if self.metrics is not None:
