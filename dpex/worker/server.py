@@ -84,7 +84,7 @@ class WorkerServer:
                                        worker_address=self.address, meter=Meter(config.processes))
             service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
                                     worker_address=self.address, shared_memory=config.shared_memory,
-                                    handoff_dir=self.pool.handoff_dir, spare_files=config.processes)
+                                    spare_files=config.processes)
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
@@ -128,8 +128,7 @@ class WorkerServer:
 
     def _sweep(self) -> None:
         """Every few seconds, removes hand-off files lent to trainers that
-        died. A Fetch stream's end does it at once, but the trainer may not
-        be gone yet when its connection closes."""
+        died (they never give them back)."""
         while not self._stopping.wait(_SWEEP_EVERY_S):
             handoff.sweep_lent(self.pool.handoff_dir)
 

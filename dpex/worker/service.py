@@ -38,16 +38,15 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
                  max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
-                 handoff_dir: str | None = None, spare_files: int = 0) -> None:
-        """``handoff_dir``, ``spare_files``: the batch processes' hand-off files
-        and how many to keep for reuse once sent (dpex.worker.handoff)."""
+                 spare_files: int = 0) -> None:
+        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff)."""
         self._scheduler = scheduler
         self._inspect = inspect
         self._max_frame = max_frame_bytes
         self._address = worker_address
         self._meter = scheduler.meter
         self._host = handoff.host_id() if shared_memory else ""
-        self._handoff_dir, self._spares = handoff_dir, spare_files
+        self._spares = spare_files
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Responses are pre-serialized Batch frames built by the pool's
@@ -80,7 +79,6 @@ class WorkerService:
         reader.start()
         same_host = bool(self._host) and (HOST_METADATA, self._host) in tuple(context.invocation_metadata())
         pointed: deque[Handoff] = deque(maxlen=_UNMAPPED_KEPT)  # files named to a same-host trainer
-        handoff.sweep_lent(self._handoff_dir)  # trainers that died before us may have left some
         self._meter.stream(+1)
         try:
             while True:
@@ -98,7 +96,6 @@ class WorkerService:
                 handoff.discard(out.get())
             for frame in pointed:  # named but never mapped (a mapped one was renamed): the trainer left
                 handoff.discard(frame)
-            handoff.sweep_lent(self._handoff_dir)
 
     def _outgoing(self, frame: "bytes | Handoff", same_host: bool) -> bytes:
         """What goes on the wire: the file's name for a same-host trainer,

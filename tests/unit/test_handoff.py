@@ -122,8 +122,8 @@ def test_files_of_a_trainer_killed_while_holding_batches_are_removed():
 
         def frames() -> list[str]:
             return [f for f in os.listdir(directory) if not f.startswith(handoff.SPARE)]
-        # Its stream ends: the files it mapped and those it was named but never
-        # mapped go; what is left is the worker's own buffer (--buffer-batches 8)...
+        # Its stream ends: the files it was named but never mapped go, and the janitor
+        # removes those it mapped; what is left is the worker's own buffer (--buffer-batches 8)...
         wait_until(lambda: not any(f.startswith(mine) for f in frames()) and len(frames()) <= 8, 30,
                    "the dead trainer's files to be removed")
         # ... which goes when the dispatcher releases the trainer's job.
