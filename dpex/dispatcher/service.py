@@ -151,7 +151,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 response.splits.add(split_id=split_id, job_id=split.job_id,
                                     consumer_index=split.consumer_index, epoch=split.epoch,
                                     first_seq=split.first_seq, batches=split.batches,
-                                    base_seed=split.base_seed, num_streams=split.num_streams)
+                                    base_seed=split.base_seed, num_streams=split.num_streams,
+                                    delivered_seqs=sorted(split.delivered))
             self._last_seen[worker.worker_id] = time.monotonic()
         return response
 

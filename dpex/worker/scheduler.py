@@ -107,8 +107,11 @@ class Scheduler:
                 self._add_stream(split)
                 return
             entry = _Split(split)
+            delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
             for i, key in enumerate(split_keys(split)):
                 self._where[key] = (split.split_id, i)
+                if key.seq in delivered and key not in self._waiters:
+                    continue
                 entry.unproduced.add(key)
                 self._pending_set.add(key)
                 heapq.heappush(self._pending, key)
