@@ -15,6 +15,7 @@ from typing import Any
 from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
 from dpex.procutil import PARENT_ENV
+from dpex.worker import handoff
 
 
 @dataclass
@@ -198,6 +199,7 @@ class LocalCluster:
             _stop(daemon.process)
         if dispatcher_box[0] is not None:
             _stop(dispatcher_box[0].process)
+        handoff.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
         tmp.cleanup()
 
     def close(self) -> None:

@@ -164,14 +164,22 @@ def usage(directory: str | None) -> dict[str, int]:
     return used
 
 
-def make_dir() -> str | None:
-    """This daemon's hand-off directory (and removes those of dead daemons)."""
+def remove_dead_dirs() -> None:
+    """Removes the hand-off directories of daemons that are gone (killed
+    before they could remove their own)."""
     if not os.path.isdir(SHM) or not os.access(SHM, os.W_OK):
-        return None
+        return
     for entry in os.listdir(SHM):
         pid = _daemon_pid(entry)
         if pid is not None and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(SHM, entry), ignore_errors=True)
+
+
+def make_dir() -> str | None:
+    """This daemon's hand-off directory (and removes those of dead daemons)."""
+    if not os.path.isdir(SHM) or not os.access(SHM, os.W_OK):
+        return None
+    remove_dead_dirs()
     path = os.path.join(SHM, f"dpex-{os.getpid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path

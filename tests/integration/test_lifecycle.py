@@ -9,7 +9,8 @@ import textwrap
 import threading
 
 import dpex
-from dpex.testing import descendants, pids_alive, wait_until
+from dpex.testing import descendants, pids_alive, test_cluster, wait_until
+from dpex.worker import handoff
 
 
 def dpex_threads():
@@ -24,6 +25,18 @@ def test_local_cluster_close_stops_every_process():
     cluster.close()
     cluster.close()
     assert pids_alive(started) == []
+
+
+def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
+    with test_cluster(num_workers=2) as c:  # every frame goes through /dev/shm
+        with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
+                                   batch_size=4) as dl:
+            assert len(list(dl)) == 16
+        directories = [os.path.join(handoff.SHM, f"dpex-{w.process.pid}") for w in c.workers]
+        assert all(os.path.isdir(d) for d in directories)
+        c.kill_worker(0)  # it cannot remove its own directory
+        assert os.path.isdir(directories[0])
+    assert not any(os.path.exists(d) for d in directories)
 
 
 def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch():
