@@ -138,8 +138,8 @@ def sweep_lent(directory: str | None) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a trainer killed an instant
-    ago may not have been reaped yet when its stream ends)."""
+    """A process that exists and is not a zombie (a trainer or daemon killed
+    an instant ago may not have been reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -167,11 +167,13 @@ def usage(directory: str | None) -> dict[str, int]:
 def remove_dead_dirs() -> None:
     """Removes the hand-off directories of daemons that are gone (killed
     before they could remove their own)."""
-    if not os.path.isdir(SHM) or not os.access(SHM, os.W_OK):
+    try:
+        entries = os.listdir(SHM)
+    except OSError:  # no /dev/shm here
         return
-    for entry in os.listdir(SHM):
+    for entry in entries:
         pid = _daemon_pid(entry)
-        if pid is not None and not os.path.exists(f"/proc/{pid}"):
+        if pid is not None and not _alive(int(pid)):
             shutil.rmtree(os.path.join(SHM, entry), ignore_errors=True)
 
 
