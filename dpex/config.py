@@ -50,7 +50,8 @@ class WorkerConfig:
     port: int = 0                        # 0 picks a free port
     advertise_host: str | None = None    # how trainers reach this worker; None: guessed
     processes: int = 2                   # batch-producing processes
-    buffer_batches: int = 8              # finished batches held ahead of requests
+    buffer_batches: int = 8              # finished batches held ahead of requests, shared by consumers
+    buffer_bytes: int = 1 << 30          # the same buffer's bound in bytes
     max_held_splits: int = 4             # splits taken from the dispatcher at once
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
@@ -73,6 +74,7 @@ class WorkerConfig:
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _check(self.processes >= 1, "processes must be >= 1")
         _check(self.buffer_batches >= 1, "buffer_batches must be >= 1")
+        _check(self.buffer_bytes >= 1 << 20, "buffer_bytes must be >= 1 MiB")
         _check(self.max_held_splits >= 1, "max_held_splits must be >= 1")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
         _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")

@@ -22,7 +22,10 @@ from dpex.procutil import reuse_freed_memory
 @click.option("--processes", type=int, default=2, envvar="DPEX_PROCESSES", show_envvar=True,
               help="Processes that load, transform and collate samples.")
 @click.option("--buffer-batches", type=int, default=8, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
-              help="Finished batches kept ready ahead of the trainers' requests.")
+              help="Finished batches kept ready ahead of the trainers' requests; each consumer "
+              "(a trainer rank of a job) with work here may hold an equal share.")
+@click.option("--buffer-mb", type=float, default=1024, envvar="DPEX_BUFFER_MB", show_envvar=True,
+              help="The same buffer's bound in MiB, shared the same way.")
 @click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
               help="Splits taken from the dispatcher at once.")
 @click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
@@ -42,7 +45,7 @@ from dpex.procutil import reuse_freed_memory
 @tls_ca_option
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
-         buffer_batches: int, max_splits: int, heartbeat_interval: float, connect_timeout: float,
+         buffer_batches: int, buffer_mb: float, max_splits: int, heartbeat_interval: float, connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, metrics_port: int | None, log_level: str,
          log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
@@ -61,6 +64,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
     try:
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
                               processes=processes, buffer_batches=buffer_batches,
+                              buffer_bytes=int(buffer_mb * 2**20),
                               max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
                               allow_unauthenticated=allow_unauthenticated,

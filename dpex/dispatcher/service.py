@@ -126,26 +126,28 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def WorkerHeartbeat(self, request, context):
         deadline = time.monotonic() + self._config.heartbeat_interval_s
         held = set(request.held_split_ids)
+        saturated = frozenset((c.job_id, c.consumer_index) for c in request.saturated)
         with self._cond:
             worker = self._state.workers.get(request.worker_id)
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
             self._last_seen[worker.worker_id] = time.monotonic()
             self._loads[worker.worker_id] = request.load
-            response = dpb.WorkerHeartbeatResponse(
-                release_split_ids=self._state.releasable(worker.worker_id, list(held)))
             # Long-poll: answer as soon as there is work, so a plan starts within
-            # milliseconds. Every split assigned to the worker that it does not
-            # hold yet is sent, so a lost response loses no assignment.
+            # milliseconds, or splits to drop (a trainer left its epoch: the
+            # worker frees what it holds for it now). Every split assigned to the
+            # worker that it does not hold yet is sent, so a lost response loses no assignment.
             while worker.alive and not self._stop.is_set() and context.is_active():
-                chosen = self._state.choose_splits(worker.worker_id, request.want_splits)
+                chosen = self._state.choose_splits(worker.worker_id, request.want_splits, saturated)
                 if chosen:
                     self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
                                                                split_ids=chosen))
+                release = self._state.releasable(worker.worker_id, list(held))
                 remaining = deadline - time.monotonic()
-                if worker.held - held or remaining <= 0:
+                if worker.held - held or release or remaining <= 0:
                     break
                 self._cond.wait(remaining)
+            response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
             for split_id in sorted(worker.held - held):
                 split = self._state.splits[split_id]
                 response.splits.add(split_id=split_id, job_id=split.job_id,
@@ -288,10 +290,13 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def ReleaseConsumer(self, request, context):
         with self._cond:
+            job = self._state.jobs.get(request.job_id)
+            plan = job.plans.get(request.consumer_index) if job else None
+            if plan is None or (request.HasField("epoch") and plan.epoch != request.epoch):
+                return dpb.ReleaseConsumerResponse()  # nothing, or a newer epoch: keep it
             self._consumer_seen.pop((request.job_id, request.consumer_index), None)
-            if request.job_id in self._state.jobs:
-                self._apply(release_consumer=jpb.ReleaseConsumer(
-                    job_id=request.job_id, consumer_index=request.consumer_index))
+            self._apply(release_consumer=jpb.ReleaseConsumer(
+                job_id=request.job_id, consumer_index=request.consumer_index, epoch=plan.epoch))
         return dpb.ReleaseConsumerResponse()
 
     @servicer_method

@@ -170,9 +170,11 @@ class DispatcherState:
 
     def _apply_release_consumer(self, u: jpb.ReleaseConsumer) -> None:
         job = self.jobs.get(u.job_id)
-        plan = job.plans.pop(u.consumer_index, None) if job else None
-        if plan is not None:
-            self._cancel(plan)
+        plan = job.plans.get(u.consumer_index) if job else None
+        if plan is None or (u.HasField("epoch") and plan.epoch != u.epoch):
+            return  # with an epoch: a newer plan of the consumer's is not touched
+        del job.plans[u.consumer_index]
+        self._cancel(plan)
 
     # ---- helpers (called only from apply) ----------------------------------
     def _assign(self, split: Split, worker: Worker) -> None:
@@ -227,9 +229,11 @@ class DispatcherState:
         plan = job.plans.get(consumer_index) if job else None
         return plan is not None and any(s in self.splits for s in plan.split_ids)
 
-    def choose_splits(self, worker_id: str, max_splits: int) -> list[int]:
+    def choose_splits(self, worker_id: str, max_splits: int,
+                      saturated: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
         """The splits a worker asking for ``max_splits`` should get: the lowest
-        unassigned ones, preferring jobs of which it holds the fewest."""
+        unassigned ones, preferring jobs of which it holds the fewest, none of
+        the ``saturated`` (job, consumer)s (the worker holds all it may for them)."""
         worker = self.workers.get(worker_id)
         if worker is None or not worker.alive:
             return []
@@ -237,7 +241,8 @@ class DispatcherState:
         for split_id in worker.held:
             held[self.splits[split_id].job_id] += 1
         pools = {job_id: sorted(pool, key=lambda s: self.splits[s].key)
-                 for job_id, pool in self.unassigned.items() if pool}
+                 for job_id, pool in ((j, [s for s in p if (j, self.splits[s].consumer_index) not in saturated])
+                                      for j, p in self.unassigned.items()) if pool}
         chosen: list[int] = []
         while len(chosen) < max_splits and pools:
             job_id = min(pools, key=lambda j: (held[j], *self.splits[pools[j][0]].key, j))

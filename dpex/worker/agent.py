@@ -1,6 +1,7 @@
 """The worker's side of the control plane: register, heartbeat, take splits."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,15 +47,20 @@ class DispatcherAgent:
                     timeout_s=timeout_s, retry_for_s=self._config.connect_timeout_s,
                     stop=self._stop.is_set, track=track)
 
-    def _track_full_poll(self, future: Any) -> None:
+    def _track_poll(self, asked: tuple[int, list], future: Any) -> None:
         with self._lock:
             self._full_poll = future
-        if future is not None and self._scheduler.free_capacity(self._config.max_held_splits):
-            self._room_freed()  # room came between asking for none and this call starting
+        if future is not None and self._more_room(asked):
+            self._room_freed()  # room came between asking and this call starting
+
+    def _more_room(self, asked: tuple[int, list]) -> bool:
+        want, saturated = self._scheduler.free_capacity(self._config.max_held_splits)
+        return want > asked[0] or not set(asked[1]) <= set(saturated)
 
     def _room_freed(self) -> None:
-        """A heartbeat that asked for no splits long-polls the dispatcher for an
-        interval; once there is room, cut it short and ask for splits."""
+        """A heartbeat long-polls the dispatcher for an interval; once there is
+        more room than it asked for (a split fully produced, a consumer no
+        longer saturated), cut it short and ask again."""
         with self._lock:
             if self._full_poll is not None:
                 self._full_poll.cancel()
@@ -82,15 +88,17 @@ class DispatcherAgent:
     def _run(self) -> None:
         interval = self._config.heartbeat_interval_s
         while not self._stop.is_set():
-            want = self._scheduler.free_capacity(self._config.max_held_splits)
+            want, saturated = self._scheduler.free_capacity(self._config.max_held_splits)
             self._scheduler.meter.window()  # each heartbeat reports the busy fraction since the last
             request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
                                                  held_split_ids=self._scheduler.held_split_ids(),
-                                                 load=self._scheduler.load())
+                                                 load=self._scheduler.load(),
+                                                 saturated=[dpb.ConsumerRef(job_id=j, consumer_index=c)
+                                                            for j, c in saturated])
             try:
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
-                                     track=self._track_full_poll if want == 0 else None)
-                self._track_full_poll(None)
+                                     track=functools.partial(self._track_poll, (want, saturated)))
+                self._track_poll((want, saturated), None)
                 self._scheduler.release(response.release_split_ids)
                 for split in response.splits:
                     log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,

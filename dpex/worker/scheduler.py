@@ -1,9 +1,15 @@
 """Decides which batch the worker's processes produce next.
 
 Batches a trainer has requested come first (they are what it waits for);
-then the lowest pending batch, as long as finished-but-unrequested batches
-plus running ones stay within ``buffer_batches``. So memory is bounded by the
-buffer plus the trainers' request windows, whatever their speed.
+then batches produced ahead of requests, each consumer within its share of
+``buffer_batches`` / ``buffer_bytes`` (dpex.worker.budget). Turns go round
+the jobs that have demand. So memory is bounded by the buffer plus the
+trainers' request windows, and a slow, paused or departed consumer holds only
+its own share: the others keep producing ahead.
+
+A consumer whose Fetch streams have all closed (its trainer left or died) is
+idle: what it held ready is dropped at once, and nothing is made ahead for it
+until it asks again.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
 from dpex.worker import handoff
+from dpex.worker.budget import Budget, Consumer, Turns
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, Task, crash_frame, produce
 from dpex.worker.stream import StreamRunner
@@ -37,11 +44,40 @@ class Key(NamedTuple):
     consumer_index: int
     job_id: int
 
+    @property
+    def consumer(self) -> Consumer:
+        return (self.job_id, self.consumer_index)
+
 
 @dataclass
 class _Split:
     split: dpb.Split
     unproduced: set[Key] = field(default_factory=set)
+
+
+@dataclass
+class _Queue:
+    """One consumer's batches still to produce here, and its open streams."""
+    todo: set[Key] = field(default_factory=set)
+    pending: list[Key] = field(default_factory=list)  # heap over todo, lazily cleaned
+    urgent: list[Key] = field(default_factory=list)   # heap of requested todo keys, lazily cleaned
+    sinks: set = field(default_factory=set)           # Fetch streams that asked for its batches
+    idle: bool = False                                # its streams all closed: nothing ahead
+
+    def add(self, key: Key, urgent: bool) -> None:
+        if key not in self.todo:
+            self.todo.add(key)
+            heapq.heappush(self.pending, key)
+        if urgent:
+            heapq.heappush(self.urgent, key)
+
+    def head(self, heap: list[Key], ok: Callable[[Key], bool]) -> Key | None:
+        """The lowest key of ``heap`` still to do and ``ok``; stale ones are dropped."""
+        while heap:
+            if heap[0] in self.todo and ok(heap[0]):
+                return heap[0]
+            heapq.heappop(heap)
+        return None
 
 
 def split_keys(split: dpb.Split) -> list[Key]:
@@ -58,21 +94,24 @@ def not_assigned_frame(key: Key) -> bytes:
 class Scheduler:
     def __init__(self, pool: BatchPool, job_path: Callable[[int], str], *, buffer_batches: int,
                  max_inflight: int, worker_address: str, meter: Meter | None = None,
-                 unknown_grace_s: float = 5.0) -> None:
+                 unknown_grace_s: float = 5.0, buffer_bytes: int = 1 << 30) -> None:
         self._pool = pool
         self.meter = meter or Meter(max_inflight)
         self._job_path = job_path
         self._buffer = buffer_batches
+        self._budget = Budget(buffer_batches, buffer_bytes)
+        self._turns = Turns()
         self._max_inflight = max_inflight
         self._address = worker_address
         self._grace_s = unknown_grace_s
         self._cond = threading.Condition()
         self._splits: dict[int, _Split] = {}
         self._where: dict[Key, tuple[int, int]] = {}    # key -> (split id, offset)
-        self._pending: list[Key] = []                   # heap; lazily cleaned
-        self._pending_set: set[Key] = set()
-        self._urgent: list[Key] = []                    # heap of requested pending keys
+        self._queues: dict[Consumer, _Queue] = {}
+        self._of_job: dict[int, set[Consumer]] = {}
         self._running: dict[Key, Future] = {}
+        self._ahead: set[Key] = set()                   # running keys started before any request
+        self._saturated: set[Consumer] = set()          # as free_capacity() last said
         self._ready: dict[Key, Frame] = {}
         self._waiters: dict[Key, list[Sink]] = {}
         self._unknown_since: dict[Key, float] = {}      # requested before its split arrived
@@ -82,6 +121,56 @@ class Scheduler:
         self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
+
+    # ---- per-consumer queues -------------------------------------------------------
+    def _queue(self, consumer: Consumer) -> _Queue:
+        q = self._queues.get(consumer)
+        if q is None:
+            q = self._queues[consumer] = _Queue()
+            self._of_job.setdefault(consumer[0], set()).add(consumer)
+            self._turns.add(consumer[0])
+        return q
+
+    def _forget_if_unused(self, consumer: Consumer) -> None:
+        """Drops a consumer's queue once nothing of it is here (streams aside:
+        a new split finds the consumer as it is now)."""
+        q = self._queues.get(consumer)
+        if q is None or q.todo or q.sinks or self._budget.holding(consumer).batches:
+            return
+        if any((e.split.job_id, e.split.consumer_index) == consumer for e in self._splits.values()):
+            return
+        del self._queues[consumer]
+        self._budget.forget(consumer)
+        jobs = self._of_job.get(consumer[0], set())
+        jobs.discard(consumer)
+        if not jobs:
+            self._of_job.pop(consumer[0], None)
+            self._turns.remove(consumer[0])
+
+    def _active(self) -> int:
+        """Consumers sharing the buffer: those with work to make ahead or batches held."""
+        return sum(1 for c, q in self._queues.items()
+                   if (q.todo and not q.idle) or self._budget.holding(c).batches)
+
+    def _take_ready(self, key: Key) -> Frame | None:
+        frame = self._ready.pop(key, None)
+        if frame is not None:
+            self._budget.taken(key.consumer, handoff.size_of(frame))
+        return frame
+
+    def _requeue(self, key: Key) -> None:
+        """A batch made but not kept (evicted, or its consumer went idle): to do again."""
+        entry = self._splits[self._where[key][0]]
+        entry.unproduced.add(key)
+        self._queue(key.consumer).add(key, urgent=key in self._waiters)
+
+    def _drop_ready(self, consumer: Consumer, keep: int = 0) -> int:
+        """Frees a consumer's ready batches beyond its ``keep`` lowest; how many."""
+        keys = sorted(k for k in self._ready if k.consumer == consumer)[keep:]
+        for key in keys:
+            handoff.discard(self._take_ready(key))
+            self._requeue(key)
+        return len(keys)
 
     # ---- splits from the dispatcher --------------------------------------------
     def _stream_of(self, key: Key) -> tuple[StreamRunner | None, int]:
@@ -107,23 +196,22 @@ class Scheduler:
                 self._add_stream(split)
                 return
             entry = _Split(split)
+            queue = self._queue((split.job_id, split.consumer_index))
             delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
             for i, key in enumerate(split_keys(split)):
                 self._where[key] = (split.split_id, i)
                 if key.seq in delivered and key not in self._waiters:
                     continue
                 entry.unproduced.add(key)
-                self._pending_set.add(key)
-                heapq.heappush(self._pending, key)
-                if key in self._waiters:
-                    heapq.heappush(self._urgent, key)
-                    self._unknown_since.pop(key, None)
+                queue.add(key, urgent=key in self._waiters)
+                self._unknown_since.pop(key, None)
             self._splits[split.split_id] = entry
             self._cond.notify_all()
 
     def release(self, split_ids) -> None:
         runners = []
         with self._cond:
+            touched: set[Consumer] = set()
             for split_id in split_ids:
                 entry = self._splits.pop(split_id, None)
                 if entry is None:
@@ -136,12 +224,17 @@ class Scheduler:
                     if not by_stream:
                         self._streams.pop(group, None)
                     continue
+                touched.add((split.job_id, split.consumer_index))
+                queue = self._queues.get((split.job_id, split.consumer_index))
                 for key in split_keys(split):
                     self._where.pop(key, None)
-                    handoff.discard(self._ready.pop(key, b""))
-                    self._pending_set.discard(key)
+                    handoff.discard(self._take_ready(key) or b"")
+                    if queue is not None:
+                        queue.todo.discard(key)
                     for sink in self._waiters.pop(key, []):
                         sink(not_assigned_frame(key))
+            for consumer in touched:
+                self._forget_if_unused(consumer)
             self._cond.notify_all()
         for runner in runners:  # outside the lock: a stream process may take a moment to stop
             if runner is not None:
@@ -154,17 +247,39 @@ class Scheduler:
         with self._cond:
             return list(self._splits)
 
-    def free_capacity(self, max_held_splits: int) -> int:
-        """How many more splits to take: held splits with batches still to
-        produce count. Produced ones wait in the bounded buffer, and must not
-        stop the worker from taking the split a trainer waits for."""
+    def free_capacity(self, max_held_splits: int) -> tuple[int, list[Consumer]]:
+        """How many more splits to take, and the consumers to take none of.
+
+        Held splits with batches still to produce count, unless their consumer
+        is saturated: it holds its whole share, or its trainer left (idle). A
+        slow consumer's splits must not keep the other jobs' out, and the
+        worker must not take more of them either. Produced ones wait in the
+        bounded buffer, and must not stop the worker from taking the split a
+        trainer waits for."""
         with self._cond:
-            busy = sum(1 for e in self._splits.values() if e.unproduced)
-            return max(0, max_held_splits - busy)
+            active = self._active()
+            saturated = {c for c, q in self._queues.items()
+                         if q.idle or not self._budget.room(c, active)}
+            self._saturated = saturated
+            busy = sum(1 for e in self._splits.values()
+                       if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated)
+            return max(0, max_held_splits - busy), sorted(saturated)
 
     def depth(self) -> tuple[int, int]:
         with self._cond:
             return len(self._ready), len(self._running)
+
+    def held_by(self, job_id: int, consumer_index: int) -> tuple[int, int]:
+        """(batches, bytes) a consumer holds ready here."""
+        with self._cond:
+            h = self._budget.holding((job_id, consumer_index))
+            return h.ready, h.ready_bytes
+
+    def holdings(self) -> dict[Consumer, tuple[int, int]]:
+        """(batches, bytes) held ready, by consumer with a queue here."""
+        with self._cond:
+            return {c: (self._budget.holding(c).ready, self._budget.holding(c).ready_bytes)
+                    for c in self._queues}
 
     def load(self) -> dpb.WorkerLoad:
         """The worker's counters with its buffered and running batches now."""
@@ -178,24 +293,30 @@ class Scheduler:
             if runner is not None:
                 runner.request(j, sink)
                 return
-            frame = self._ready.pop(key, None)
+            queue = self._queue(key.consumer)
+            queue.sinks.add(sink)
+            queue.idle = False
+            frame = self._take_ready(key)
             if frame is not None:
                 sink(frame)
                 self._cond.notify_all()  # a free buffer slot: produce ahead again
+                if key.consumer in self._saturated:  # as last reported: it may take splits again
+                    self._saturated.discard(key.consumer)
+                    self.on_capacity()
                 return
             self._waiters.setdefault(key, []).append(sink)
             if key in self._running:
                 return
             if key in self._where:
                 # Pending, or sent before and asked again: (re)produce it first.
-                self._pending_set.add(key)
-                heapq.heappush(self._urgent, key)
+                queue.add(key, urgent=True)
             else:
                 self._unknown_since.setdefault(key, time.monotonic())
             self._cond.notify_all()
 
     def cancel(self, sink: Sink) -> None:
-        """Forgets a closed stream's outstanding requests."""
+        """Forgets a closed stream's outstanding requests. A consumer left with
+        no open stream is idle: its ready batches are freed now."""
         with self._cond:
             for _, runners in self._streams.values():
                 for runner in runners.values():
@@ -207,20 +328,61 @@ class Scheduler:
                 else:
                     del self._waiters[key]
                     self._unknown_since.pop(key, None)
+            for consumer, q in list(self._queues.items()):
+                if sink in q.sinks:
+                    q.sinks.discard(sink)
+                    if not q.sinks:
+                        q.idle = True
+                        dropped = self._drop_ready(consumer)
+                        if dropped:
+                            log.debug("consumer left; freed its ready batches",
+                                      extra=fields(job_id=consumer[0], consumer=consumer[1], batches=dropped))
+                        self._forget_if_unused(consumer)
+            self._cond.notify_all()
 
     # ---- production ------------------------------------------------------------------
+    def _urgent_of(self, job: int) -> Key | None:
+        best = None
+        for c in self._of_job.get(job, ()):
+            key = self._queues[c].head(self._queues[c].urgent,
+                                       lambda k: k in self._waiters and k not in self._running)
+            if key is not None and (best is None or key < best):
+                best = key
+        return best
+
+    def _ahead_of(self, job: int, active: int, blocked: list[Consumer]) -> Key | None:
+        """The lowest key of the job's consumers that may make one more ahead;
+        consumers with room in their share but not in the whole buffer go to ``blocked``."""
+        best = None
+        for c in self._of_job.get(job, ()):
+            q = self._queues[c]
+            if q.idle or not self._budget.room(c, active):
+                continue
+            key = q.head(q.pending, lambda k: k not in self._running)
+            if key is None:
+                continue
+            if not self._budget.fits(c):
+                blocked.append(c)
+            elif best is None or key < best:
+                best = key
+        return best
+
     def _next(self) -> Key | None:
-        while self._urgent:
-            key = heapq.heappop(self._urgent)
-            if key in self._pending_set and key in self._waiters and key not in self._running:
-                return key
-        if len(self._ready) + len(self._running) >= self._buffer:
+        key = self._turns.pick(self._urgent_of)
+        if key is not None:
+            return key
+        active = self._active()
+        blocked: list[Consumer] = []
+        key = self._turns.pick(lambda job: self._ahead_of(job, active, blocked))
+        if key is not None or not blocked:
+            return key
+        # The buffer is full of batches of consumers over their share (they
+        # were alone when they made them): evict one so that a newcomer gets its share.
+        victim = self._budget.over_share(active, [c for c in self._queues if c not in blocked])
+        if victim is None:
             return None
-        while self._pending:
-            key = heapq.heappop(self._pending)
-            if key in self._pending_set and key not in self._running:
-                return key
-        return None
+        self._drop_ready(victim, keep=self._budget.holding(victim).ready - 1)
+        return self._turns.pick(lambda job: self._ahead_of(job, active, []))
 
     def _expire_unknown(self) -> None:
         now = time.monotonic()
@@ -238,7 +400,10 @@ class Scheduler:
                 if key is None:
                     self._cond.wait(0.5 if self._unknown_since else None)
                     continue
-                self._pending_set.discard(key)
+                self._queues[key.consumer].todo.discard(key)
+                if key not in self._waiters:
+                    self._ahead.add(key)
+                    self._budget.started(key.consumer)
                 split_id, offset = self._where[key]
                 split = self._splits[split_id].split
                 task = Task(key.job_id, self._job_path(key.job_id), key.consumer_index, key.epoch,
@@ -258,24 +423,35 @@ class Scheduler:
             log.error("batch failed in the pool: %s", e,
                       extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
             frame = crash_frame(task, e, self._address)
-        self.meter.produced(handoff.size_of(frame))
+        size = handoff.size_of(frame)
+        self.meter.produced(size)
         with self._cond:
             self._running.pop(key, None)
             self.meter.running(len(self._running))
+            if key in self._ahead:
+                self._ahead.discard(key)
+                self._budget.stopped(key.consumer)
             self._cond.notify_all()
             if key not in self._where:
                 handoff.discard(frame)
+                self._forget_if_unused(key.consumer)
                 return  # released meanwhile
             entry = self._splits[self._where[key][0]]
             entry.unproduced.discard(key)
-            if not entry.unproduced:
-                self.on_capacity()
             sinks = self._waiters.pop(key, None)
+            queue = self._queues.get(key.consumer)
             if sinks:
+                self._budget.sized(key.consumer, size)
                 for sink in sinks:
                     sink(frame)
+            elif queue is not None and queue.idle:
+                handoff.discard(frame)  # its trainer left meanwhile: make it again if asked
+                self._requeue(key)
             else:
                 self._ready[key] = frame
+                self._budget.readied(key.consumer, size)
+            if not entry.unproduced:
+                self.on_capacity()
 
     def close(self) -> None:
         with self._cond:

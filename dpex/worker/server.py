@@ -80,6 +80,7 @@ class WorkerServer:
         try:
             self.scheduler = Scheduler(self.pool, self._job_path,
                                        buffer_batches=config.buffer_batches,
+                                       buffer_bytes=config.buffer_bytes,
                                        max_inflight=2 * config.processes,
                                        worker_address=self.address, meter=Meter(config.processes))
             service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
@@ -112,7 +113,16 @@ class WorkerServer:
                                 "sent or mapped), lent (mapped by a trainer), spare (kept for reuse).", labels=["kind"])
         for kind, size in handoff.usage(self.pool.handoff_dir).items():
             shm.add_metric([kind], size)
-        return [held, busy, shm, *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
+        ready = GaugeMetricFamily("dpex_worker_consumer_ready_batches", "Batches made ahead for a consumer, "
+                                  "waiting for its request (each holds at most its share of the buffer).",
+                                  labels=["job_id", "consumer"])
+        ready_bytes = GaugeMetricFamily("dpex_worker_consumer_ready_bytes", "Bytes of those batches.",
+                                        labels=["job_id", "consumer"])
+        for (job_id, consumer), (batches, nbytes) in self.scheduler.holdings().items():
+            ready.add_metric([str(job_id), str(consumer)], batches)
+            ready_bytes.add_metric([str(job_id), str(consumer)], nbytes)
+        return [held, busy, shm, ready, ready_bytes,
+                *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None

@@ -31,20 +31,25 @@ def scheduler(pool, tmp_path):
     s.close()
 
 
-def split(split_id=1, first=0, n=20):
-    return dpb.Split(split_id=split_id, job_id=9, consumer_index=0, epoch=0, first_seq=first,
+def split(split_id=1, first=0, n=20, job_id=9):
+    return dpb.Split(split_id=split_id, job_id=job_id, consumer_index=0, epoch=0, first_seq=first,
                      batches=[dpb.IndexBatch(indices=[2 * i, 2 * i + 1]) for i in range(first, first + n)])
 
 
-def key(seq):
-    return Key(epoch=0, seq=seq, consumer_index=0, job_id=9)
+def key(seq, job_id=9):
+    return Key(epoch=0, seq=seq, consumer_index=0, job_id=job_id)
 
 
 def test_buffer_bounds_what_is_produced_ahead(scheduler):
     scheduler.add_split(split())
     wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
     assert scheduler.depth() == (BUFFER, 0)  # and no more is started
-    assert scheduler.free_capacity(4) == 3   # the split still has batches to produce
+    # The split still has batches to produce, but its consumer holds its whole
+    # share: the worker takes other splits rather than wait for it.
+    assert scheduler.free_capacity(4) == (4, [(9, 0)])  # and none of its splits
+    got = []
+    scheduler.request(key(0), got.append)
+    assert scheduler.free_capacity(4) == (3, [])  # room again: its split counts
 
 
 def test_requested_batches_are_produced_beyond_the_buffer(scheduler):
@@ -99,3 +104,39 @@ def test_a_taken_over_split_produces_only_what_was_not_delivered(scheduler):
     wait_until(lambda: len(got) == 4, what="delivered batch 1 asked again")
     meta, payload = parse_frame(got[3])
     assert meta.seq == 1 and decode(payload)["y"].tolist() == [2, 3]
+
+
+def test_a_newcomer_gets_its_share_of_a_buffer_another_consumer_filled(pool, tmp_path):
+    # Job 9's consumer was alone and filled the whole buffer, then stopped
+    # asking (paused). Job 10 arrives: the buffer is split, job 9's batches
+    # over its share are evicted (made again if it asks), job 10 produces ahead.
+    path = tmp_path / "job.pb"
+    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(
+        dpex.DatasetSpec("dpex.testing.datasets:Squares", n=100)), num_consumers=1).SerializeToString())
+    s = Scheduler(pool, lambda job_id: str(path), buffer_batches=4, max_inflight=2, worker_address="w")
+    try:
+        s.add_split(split(split_id=1, job_id=9))
+        wait_until(lambda: s.held_by(9, 0)[0] == 4, what="job 9 filling the buffer")
+        s.add_split(split(split_id=2, job_id=10))
+        wait_until(lambda: s.held_by(10, 0)[0] == 2, what="job 10's share")
+        assert s.held_by(9, 0)[0] == 2 and s.depth() == (4, 0)
+        got = []
+        s.request(key(3, job_id=9), got.append)  # an evicted batch, asked for: made again
+        wait_until(lambda: got, what="evicted batch 3")
+        meta, payload = parse_frame(got[0])
+        assert meta.seq == 3 and decode(payload)["y"].tolist() == [6, 7]
+    finally:
+        s.close()
+
+
+def test_a_consumer_whose_streams_closed_holds_nothing(scheduler):
+    got = []
+    scheduler.request(key(0), got.append)  # its stream asks for batch 0
+    scheduler.add_split(split())
+    wait_until(lambda: got and scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    scheduler.cancel(got.append)  # the stream closed: the trainer left
+    assert scheduler.depth()[0] == 0 and scheduler.held_by(9, 0) == (0, 0)
+    assert scheduler.free_capacity(4) == (4, [(9, 0)])  # an idle consumer's split keeps nothing out
+    scheduler.request(key(5), got.append)   # it came back: produced on request, then ahead again
+    wait_until(lambda: len(got) == 2 and scheduler.depth()[0] == BUFFER, what="production again")
+    assert parse_frame(got[1])[0].seq == 5

@@ -164,3 +164,21 @@ def test_replay_rebuilds_the_same_state():
 def test_unknown_update_kind_is_rejected():
     with pytest.raises(ValueError):
         DispatcherState().apply(jpb.Update())
+
+
+def test_a_worker_gets_no_splits_of_consumers_it_is_saturated_with():
+    s = DispatcherState()
+    register(s, "a"), create_job(s, job_id=7), create_job(s, job_id=8)
+    submit(s, 6, job_id=7), submit(s, 6, job_id=8)
+    chosen = s.choose_splits("a", 4, saturated=frozenset({(7, 0)}))  # job 7's trainer is slow
+    assert {s.splits[i].job_id for i in chosen} == {8} and len(chosen) == 3
+
+
+def test_releasing_one_epoch_leaves_a_newer_plan_alone():
+    s = DispatcherState()
+    register(s, "a"), create_job(s)
+    submit(s, 4, epoch=0), submit(s, 4, epoch=1, digest=b"h1")
+    s.apply(jpb.Update(release_consumer=jpb.ReleaseConsumer(job_id=7, consumer_index=0, epoch=0)))
+    assert s.plan(7, 0, 1) is not None and len(s.splits) == 2  # epoch 1's splits stay
+    s.apply(jpb.Update(release_consumer=jpb.ReleaseConsumer(job_id=7, consumer_index=0, epoch=1)))
+    assert s.plan(7, 0, 1) is None and not s.splits
