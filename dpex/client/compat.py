@@ -93,7 +93,7 @@ class DpexDataLoader:
             sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn, ordered=in_order,
             timeout=timeout or None, generator=generator,
             window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,
-            persistent_workers=persistent_workers, pin_memory=pin_memory,
+            persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
             num_workers=max(1, num_workers), processes=max(1, num_workers))
 
     # torch's attributes, read from the plan that torch's own classes make

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import grpc
@@ -20,7 +21,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import call
 from dpex.client.stats import StatsMeter
-from dpex.client.streams import Received, StreamPool
+from dpex.client.streams import Received, StreamPool, drop_file
 from dpex.wire import decode, parse_frame
 from dpex.wire.compression import decompress
 from dpex.worker import handoff
@@ -36,12 +37,6 @@ def describe(error: BaseException | None) -> str:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         return f"{error.code().name}: {error.details()}"
     return str(error)
-
-
-def _drop_file(meta: wpb.Batch) -> None:
-    """A hand-off file for a frame we do not take: remove it (only a real one)."""
-    if meta.shm_path and handoff.is_handoff_path(meta.shm_path):
-        handoff.discard(handoff.Handoff(meta.shm_path, meta.shm_size))
 
 
 class _Owners(NamedTuple):
@@ -126,16 +121,48 @@ class Control:
                 log.warning("could not report the last delivered batches: %s", e)
 
 
+class _Wake(NamedTuple):
+    """Put on the results queue to wake a fetcher blocked there (interrupt())."""
+
+
+class _Exit:
+    """What ending an epoch does, once: stop the control thread, and either
+    report the last acks (finished) or tell the dispatcher the trainer left
+    the epoch, so that workers drop what they hold for it at once. Shared by
+    close() and the fetcher's finalizer (an iterator dropped mid-epoch)."""
+
+    def __init__(self, control: Control, leave: Callable[[], None] | None, streams: StreamPool,
+                 key: tuple[int, int, int]) -> None:
+        self.control, self._leave = control, leave
+        self._streams, self._key = streams, key
+        self.finished = False
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.control.close(flush=self.finished)
+        self._streams.end_epoch(self._key)  # frames queued for it, and their files, go now
+        if not self.finished and self._leave is not None:
+            try:
+                self._leave()
+            except Exception as e:  # the dispatcher's consumer timeout does it later
+                log.debug("could not release the epoch: %s", e)
+
+
 class EpochFetcher:
-    """The iterator of one epoch of one consumer."""
+    """The iterator of one epoch of one consumer. Closed at its end; dropped
+    or closed before (a ``break``, a new ``iter()``), the epoch is left: the
+    dispatcher and the workers forget it."""
 
     def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
-                 timeout_s: float | None, retry_for_s: float,
-                 transform: Callable[[Any], Any] | None = None, num_streams: int = 0,
-                 meter: StatsMeter | None = None) -> None:
+                 timeout_s: float | None, retry_for_s: float, num_streams: int = 0,
+                 meter: StatsMeter | None = None, leave: Callable[[], None] | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
-        of unknown length (batch j of stream k is seq j*N+k; num_batches unused)."""
+        of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
+        ``leave()`` tells the dispatcher the epoch was left unfinished."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
@@ -146,7 +173,6 @@ class EpochFetcher:
         self._group = max(1, window // 4)
         self._ordered = ordered
         self._timeout_s = timeout_s
-        self._transform = transform
         self._owner: dict[int, str] = {}
         self._broken: dict[str, float] = {}        # address -> monotonic time to retry it
         self._requested: dict[int, str] = {}      # seq -> worker address
@@ -162,7 +188,12 @@ class EpochFetcher:
         self._workers_alive = -1
         self._meter = meter or StatsMeter()
         self._closed = False
+        self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s)
+        self.key = (job_id, consumer_index, epoch)
+        streams.start_epoch(self.key)
+        self._exit = _Exit(self._control, leave, streams, self.key)
+        self._finalizer = weakref.finalize(self, self._exit)
 
     def __iter__(self) -> "EpochFetcher":
         return self
@@ -197,19 +228,28 @@ class EpochFetcher:
 
     def __next__(self) -> Any:
         asked_at = time.monotonic()
-        batch, nbytes = self._next_batch()
-        self._meter.record(self, asked_at, nbytes)
+        batch, nbytes = self.next_batch()
+        self._meter.record(self.key, asked_at, nbytes)
         return batch
 
-    def _next_batch(self) -> tuple[Any, int]:
+    def interrupt(self) -> None:
+        """From another thread: makes a blocked next_batch() stop (StopIteration)."""
+        self._interrupted = True
+        self._results.put(_Wake())
+
+    def next_batch(self) -> tuple[Any, int]:
+        """The next batch and the bytes it took on the wire; not metered."""
         if self._closed:
             raise StopIteration
         last_progress = last_log = time.monotonic()
         while True:
+            if self._interrupted:
+                raise StopIteration
             item = self._pop_ready()
             if item is not None:
                 return self._finish(item)
             if self._yielded == self._total():
+                self._exit.finished = True
                 self.close()
                 raise StopIteration
             self._top_up()
@@ -253,7 +293,7 @@ class EpochFetcher:
         if meta.HasField("error"):
             self.close()
             raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
-        return (self._transform(batch) if self._transform is not None else batch), nbytes
+        return batch, nbytes
 
     def _send(self, asks: dict[str, list[int]]) -> None:
         """One request per worker, naming every batch asked of it."""
@@ -318,6 +358,8 @@ class EpochFetcher:
         if isinstance(got, _Failed):
             self.close()
             raise got.error
+        if isinstance(got, _Wake):
+            return False
         assert isinstance(got, Received)
         if got.frame is None:
             failures = self._failures[got.address] = self._failures.get(got.address, 0) + 1
@@ -332,7 +374,7 @@ class EpochFetcher:
         except DpexWireError as e:
             return self._corrupt_frame(got.address, None, e)
         if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
-            _drop_file(meta)
+            drop_file(meta)
             return False  # from an earlier epoch or loader
         seq = meta.seq
         if meta.not_assigned:
@@ -348,7 +390,7 @@ class EpochFetcher:
             self._advance_low()
             return True
         if seq in self._delivered or not self._exists(seq):
-            _drop_file(meta)
+            drop_file(meta)
             return False  # a duplicate (e.g. re-sent after a reconnect)
         if meta.shm_path:  # a same-host worker's hand-off file: map it, no copy
             try:
@@ -427,7 +469,6 @@ class EpochFetcher:
                     del self._owner[self._owner_key(seq)]
 
     def close(self) -> None:
-        if self._closed:
-            return
+        """Ends the epoch; before its last batch, that is leaving it."""
         self._closed = True
-        self._control.close(flush=True)
+        self._finalizer()

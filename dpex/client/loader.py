@@ -18,6 +18,7 @@ import cloudpickle
 import torch.utils.data as tud
 
 from dpex.client.fetcher import EpochFetcher
+from dpex.client.pinning import PinnedEpoch, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
@@ -33,6 +34,16 @@ log = logging.getLogger("dpex.client")
 
 
 _LARGE_DATASET_BYTES = 4 << 20
+
+
+_IN_FLIGHT: set = set()  # calls not waited for; a dropped gRPC future would cancel its call
+
+
+def _send_and_forget(method: Any, request: Any, timeout_s: float = 5.0) -> None:
+    """Starts a unary call and returns at once (from a finalizer: never block)."""
+    future = method.future(request, timeout=timeout_s)
+    _IN_FLIGHT.add(future)
+    future.add_done_callback(_IN_FLIGHT.discard)
 
 
 class _Indices(tud.Dataset):
@@ -62,19 +73,6 @@ class _Constant:
         return self.dataset
 
 
-def _pinner() -> Callable[[Any], Any] | None:
-    """torch's pin_memory step, on the trainer; like torch, a warning and no
-    pinning when there is no accelerator."""
-    import torch
-    from torch.utils.data._utils.pin_memory import pin_memory
-    if not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                      "then device pinned memory won't be used.", stacklevel=3)
-        return None
-    device = torch.accelerator.current_accelerator().type
-    return lambda batch: pin_memory(batch, device)
-
-
 def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
     """torch's own checks for an IterableDataset, with torch's messages."""
     for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
@@ -91,18 +89,22 @@ class _Resources:
         self.channel: Any = None
         self.stub: Any = None
         self.streams = StreamPool(token, tls_ca, shared_memory)
-        self.fetcher: EpochFetcher | None = None
+        self.epoch: weakref.ref | None = None  # the current epoch's iterator, while someone holds it
         self.release: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._closed = False
+
+    def close_epoch(self) -> None:
+        epoch = self.epoch() if self.epoch is not None else None
+        if epoch is not None:
+            epoch.close()
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self.fetcher is not None:
-            self.fetcher.close()
+        self.close_epoch()
         self.streams.close()
         if self.release is not None:
             try:
@@ -127,7 +129,11 @@ class RemoteDataLoader:
     As with torch's DataLoader, each worker process seeds itself from the
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
-    ``pin_memory`` pins batches in the trainer when an accelerator is present.
+    ``pin_memory`` pins batches in the trainer when an accelerator is present,
+    as torch does: ahead of the consumer, in a thread of its own with one
+    intra-op thread (on ``pin_memory_device``, default the current accelerator).
+    Dropping an epoch's iterator before its end (a ``break``), a new ``iter()``
+    or ``close()`` leaves the epoch: workers drop what they hold for it.
     ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call; with
     ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
     With ``shared_memory``, batches of a worker on this host are mapped from
@@ -149,7 +155,7 @@ class RemoteDataLoader:
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  auth_token: str | None = None, tls_ca: str | None = None,
                  connect_timeout: float = 30.0, shared_memory: bool = True,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, pin_memory_device: str = "") -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         if batch_size is None and batch_sampler is None:
@@ -224,7 +230,7 @@ class RemoteDataLoader:
                                             sampler=sampler, batch_sampler=batch_sampler,
                                             drop_last=drop_last, collate_fn=_as_list, generator=generator)
             self._window = window or 4 * max(1, len(self._alive_workers()))
-            self._transform = _pinner() if pin_memory else None
+            self._pin = pin_target(pin_memory_device) if pin_memory else None
         except BaseException:
             self.close()
             raise
@@ -250,8 +256,7 @@ class RemoteDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._finalizer.alive is False:
             raise DpexConfigError("this RemoteDataLoader is closed")
-        if self._res.fetcher is not None:
-            self._res.fetcher.close()
+        self._res.close_epoch()  # a new iter() leaves the last epoch, as torch's does
         if self._iterable:  # as torch: a base seed per epoch, no sampler
             import torch
             base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
@@ -265,13 +270,17 @@ class RemoteDataLoader:
         self._call(self._res.stub.SubmitPlan, dpb.SubmitPlanRequest(
             job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan,
             base_seed=base_seed, num_streams=streams))
-        self._res.fetcher = EpochFetcher(
-            stub=self._res.stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
+        stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
+            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch)
+        fetcher = EpochFetcher(
+            stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, transform=self._transform, num_streams=streams,
-            meter=self._meter)
-        return self._res.fetcher
+            retry_for_s=self._connect_timeout, num_streams=streams, meter=self._meter,
+            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request))
+        iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
+        self._res.epoch = weakref.ref(iterator)
+        return iterator
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Batches/s, bytes received, seconds the trainer waited for data and

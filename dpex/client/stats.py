@@ -39,13 +39,14 @@ class StatsMeter:
     def _reset(self) -> None:
         self._batches = self._bytes = 0
         self._elapsed = self._wait = 0.0
-        self._last: tuple[object, float] | None = None  # (epoch fetcher, time of its last batch)
+        self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
 
     def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
-        """A batch returned from ``next()`` called at ``asked_at``."""
+        """A batch of ``epoch`` (a key, not the iterator: the meter must not
+        keep it alive) returned from ``next()`` called at ``asked_at``."""
         now = time.monotonic()
         with self._lock:
-            since = self._last[1] if self._last is not None and self._last[0] is epoch else asked_at
+            since = self._last[1] if self._last is not None and self._last[0] == epoch else asked_at
             self._last = (epoch, now)
             self._elapsed += now - since
             self._wait += now - asked_at

@@ -13,7 +13,10 @@ from typing import NamedTuple
 import grpc
 
 from dpex.proto import worker_pb2 as wpb
+from dpex.errors import DpexWireError
 from dpex.rpc import channel
+from dpex.wire import parse_frame
+from dpex.worker import handoff
 from dpex.worker.handoff import HOST_METADATA, host_id
 
 log = logging.getLogger("dpex.client")
@@ -25,11 +28,18 @@ class Received(NamedTuple):
     error: BaseException | None = None
 
 
+def drop_file(meta: wpb.Batch) -> None:
+    """A hand-off file for a frame we do not take: remove it (only a real one)."""
+    if meta.shm_path and handoff.is_handoff_path(meta.shm_path):
+        handoff.discard(handoff.Handoff(meta.shm_path, meta.shm_size))
+
+
 class _Stream:
-    def __init__(self, address: str, results: queue.SimpleQueue, token: str | None,
+    def __init__(self, address: str, pool: "StreamPool", token: str | None,
                  tls_ca: bytes | None, host: str) -> None:
         self.address = address
-        self._results = results
+        self._pool = pool
+        self._results = pool.results
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
         self._channel = channel(address, token, tls_ca)
@@ -49,7 +59,8 @@ class _Stream:
     def _receive(self) -> None:
         try:
             for frame in self._call:
-                self._results.put(Received(self.address, frame))
+                if self._pool.wanted(frame):
+                    self._results.put(Received(self.address, frame))
             error: BaseException = ConnectionError(f"worker {self.address} closed the stream")
         except grpc.RpcError as e:
             error = e
@@ -73,13 +84,42 @@ class StreamPool:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self._epoch: tuple[int, int, int] | None = None  # (job, consumer, epoch) being fetched
+
+    def start_epoch(self, key: tuple[int, int, int]) -> None:
+        self._epoch = key
+
+    def wanted(self, frame: bytes) -> bool:
+        """Whether a frame is for the epoch being fetched. Others (a left or
+        earlier epoch's) are dropped here, their hand-off files at once."""
+        try:
+            meta, _ = parse_frame(frame)
+        except DpexWireError:
+            return True  # the fetcher says what is wrong with it
+        if (meta.job_id, meta.consumer_index, meta.epoch) == self._epoch:
+            return True
+        drop_file(meta)
+        return False
+
+    def end_epoch(self, key: tuple[int, int, int]) -> None:
+        """The epoch ended or was left: what is queued for it goes now (unless
+        a newer epoch started meanwhile: its fetcher drops what is not its own)."""
+        if self._epoch != key:
+            return
+        self._epoch = None
+        while True:
+            try:
+                item = self.results.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Received) and item.frame is not None:
+                self.wanted(item.frame)
 
     def send(self, address: str, request: wpb.FetchRequest) -> None:
         with self._lock:
             stream = self._streams.get(address)
             if stream is None:
-                stream = self._streams[address] = _Stream(address, self.results, self.token, self.tls_ca,
-                                                          self.host)
+                stream = self._streams[address] = _Stream(address, self, self.token, self.tls_ca, self.host)
         stream.send(request)
 
     def drop(self, address: str) -> None:

@@ -1,0 +1,142 @@
+"""Pinning as torch's DataLoader does it: in a thread of its own, ahead of
+the consumer, with one intra-op thread.
+
+Copying a batch into page-locked memory on the training thread, with torch's
+whole intra-op pool, cost the trainer seconds of CPU per GB and stalled the
+step that called ``next()``. Here a thread drives the epoch's fetcher, pins
+each batch and queues at most ``depth`` pinned batches; ``next()`` only takes
+the next one. The thread stops when the epoch ends, when the iterator is
+closed or dropped (the epoch is then left), or on the first error, which
+``next()`` raises.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, NamedTuple
+
+from dpex.client.stats import StatsMeter
+
+
+class PinTarget(NamedTuple):
+    device_type: str   # the accelerator's type, e.g. "cuda"
+    device_index: int  # the device whose context pins
+
+
+def pin_target(pin_memory_device: str = "") -> PinTarget | None:
+    """Where to pin: ``pin_memory_device`` ("cuda:1"), else the current
+    accelerator; like torch, a warning and None without an accelerator."""
+    import torch
+    if not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                      "then device pinned memory won't be used.", stacklevel=3)
+        return None
+    current = torch.accelerator.current_accelerator()
+    if not pin_memory_device:
+        return PinTarget(current.type, torch.accelerator.current_device_index())
+    device = torch.device(pin_memory_device)
+    if device.type != current.type:
+        raise ValueError(f"pin_memory_device={pin_memory_device!r} is not this machine's accelerator "
+                         f"({current.type})")
+    return PinTarget(device.type, device.index if device.index is not None
+                     else torch.accelerator.current_device_index())
+
+
+class _End(NamedTuple):
+    error: BaseException | None
+
+
+class _Pinner:
+    """The thread's side; holds the fetcher, never the iterator that the
+    trainer holds (so dropping that iterator stops this)."""
+
+    def __init__(self, epoch: Any, target: PinTarget, depth: int) -> None:
+        self.epoch = epoch
+        self.out: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._target = target
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dpex-pin-memory", daemon=True)
+
+    def _run(self) -> None:
+        import torch
+        from torch.utils.data._utils.pin_memory import pin_memory
+        torch.set_num_threads(1)  # thread-local: the copy must not take every core
+        torch.accelerator.set_device_index(self._target.device_index)
+        end = _End(None)
+        try:
+            while not self._stop.is_set():
+                try:
+                    batch, nbytes = self.epoch.next_batch()
+                except StopIteration:
+                    break
+                self._put((pin_memory(batch, self._target.device_type), nbytes))
+        except BaseException as e:  # noqa: B036 - handed to the consumer, raised there
+            end = _End(e)
+        finally:
+            self.epoch.close()  # before its end: the epoch is left
+        self._put(end)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self.out.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def stop(self) -> None:
+        """Makes the thread end (leaving the epoch if unfinished); does not wait."""
+        self._stop.set()
+        self.epoch.interrupt()
+        while True:  # a put blocked on a full queue returns, then sees the stop
+            try:
+                self.out.get_nowait()
+            except queue.Empty:
+                break
+        try:  # a consumer blocked in next() on another thread ends too
+            self.out.put_nowait(_End(None))
+        except queue.Full:
+            pass
+
+
+class PinnedEpoch:
+    """An epoch's iterator whose batches arrive pinned (see module doc)."""
+
+    def __init__(self, epoch: Any, target: PinTarget, depth: int, meter: StatsMeter) -> None:
+        self._pinner = _Pinner(epoch, target, depth)
+        self._key = epoch.key
+        self._meter = meter
+        self._done = False
+        self._finalizer = weakref.finalize(self, self._pinner.stop)
+        self._pinner.thread.start()
+
+    def __iter__(self) -> "PinnedEpoch":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._pinner.epoch)
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        asked_at = time.monotonic()
+        item = self._pinner.out.get()
+        if isinstance(item, _End):
+            self._done = True
+            self._pinner.thread.join()
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        batch, nbytes = item
+        self._meter.record(self._key, asked_at, nbytes)
+        return batch
+
+    def close(self) -> None:
+        """Stops pinning; before the epoch's end, that is leaving it."""
+        self._done = True
+        self._finalizer()
+        if self._pinner.thread is not threading.current_thread():
+            self._pinner.thread.join()
