@@ -17,7 +17,21 @@ log = logging.getLogger("dpex.rpc")
 
 from dpex.config import MAX_MESSAGE_BYTES
 
+# HTTP/2 flow control and frame size fixed, not tuned on the fly. With BDP
+# probing on (grpc's default), a receiver re-announces SETTINGS_MAX_FRAME_SIZE
+# from its bandwidth estimate as it goes, and grpc-core (seen with 1.85.1) can
+# fail a healthy stream with "Frame size N is larger than max frame size M"
+# when that setting shrinks while large DATA frames are in flight (19 MB
+# batches on a fast loopback). Fixed: the largest frames HTTP/2 allows, a
+# stream window that covers a batch, and no probe pings.
+FLOW_OPTIONS = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+]
+
 CHANNEL_OPTIONS = [
+    *FLOW_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
@@ -32,6 +46,7 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     """A daemon's server options; requests over ``max_receive_bytes`` are
     refused with RESOURCE_EXHAUSTED before they reach a servicer."""
     return [
+        *FLOW_OPTIONS,
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.keepalive_permit_without_calls", 1),

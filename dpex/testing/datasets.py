@@ -181,3 +181,16 @@ class Cached(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.image
+
+
+class Sized(Dataset):
+    """Sample i is ``sizes_mb[i % len(sizes_mb)]`` MiB of uint8, every byte i % 251."""
+
+    def __init__(self, n: int, sizes_mb: tuple = (1, 7, 19, 33, 64)) -> None:
+        self.n, self.sizes = n, sizes_mb
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.sizes[i % len(self.sizes)] << 20,), i % 251, dtype=torch.uint8)
