@@ -13,10 +13,10 @@ MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
-def make_images(root: str, count: int, size: int, seed: int = 0, noise: float = 8.0) -> str:
-    """Writes ``count`` smooth RGB PNGs of ``size``² with pixel noise of
-    standard deviation ``noise``, once."""
-    marker = os.path.join(root, f".complete-{count}-{size}-{noise:g}")
+def make_images(root: str, count: int, size: int, seed: int = 0, noise: float = 8.0, ext: str = "png") -> str:
+    """Writes ``count`` smooth RGB images (PNG, or JPEG for ``ext="jpg"``) of
+    ``size``² with pixel noise of standard deviation ``noise``, once."""
+    marker = os.path.join(root, f".complete-{count}-{size}-{noise:g}" + ("" if ext == "png" else f"-{ext}"))
     if os.path.exists(marker):
         return root
     os.makedirs(root, exist_ok=True)
@@ -26,7 +26,7 @@ def make_images(root: str, count: int, size: int, seed: int = 0, noise: float = 
         a, b, c = rng.uniform(1, 8, 3)
         base = np.stack([np.sin(a * xx + b * yy), np.cos(b * xx * yy * c), np.sin(c * yy)], -1)
         image = (base * 100 + 128 + rng.normal(0, noise, base.shape)).clip(0, 255).astype(np.uint8)
-        Image.fromarray(image).save(os.path.join(root, f"{i:06d}.png"))
+        Image.fromarray(image).save(os.path.join(root, f"{i:06d}.{ext}"), **({"quality": 90} if ext == "jpg" else {}))
     open(marker, "w").close()
     return root
 
@@ -102,3 +102,36 @@ class DecodedImages(Dataset):
         top, left = (i * 7) % (image.shape[0] - self.size + 1), (i * 13) % (image.shape[1] - self.size + 1)
         crop = image[top:top + self.size, left:left + self.size]
         return torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))
+
+
+def make_jpegs(root: str, count: int, size: int, seed: int = 0) -> str:
+    """Photo-like RGB JPEGs (quality 90) of ``size``², once: what an image job reads."""
+    return make_images(root, count, size, seed, noise=6.0, ext="jpg")
+
+
+class JpegFolder(Dataset):
+    """What an ImageNet training job's workers do: JPEG decode, random
+    resized crop to ``out_size``, random horizontal flip; a uint8 CHW tensor
+    (normalised on the trainer's device, as fast pipelines do)."""
+
+    def __init__(self, root: str, out_size: int = 224) -> None:
+        self.files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".jpg"))
+        self.out = out_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.files[i]) as im:
+            im.draft("RGB", (self.out, self.out))  # decode at a reduced scale where the crop allows
+            im = im.convert("RGB")
+            w, h = im.size
+            rng = np.random.default_rng()
+            scale, ratio = rng.uniform(0.08, 1.0), np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+            cw = int(min(w, round(np.sqrt(scale * w * h * ratio))))
+            ch = int(min(h, round(np.sqrt(scale * w * h / ratio))))
+            left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            im = im.resize((self.out, self.out), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+            if rng.random() < 0.5:
+                im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(im).transpose(2, 0, 1).copy()), i % 1000

@@ -1,0 +1,125 @@
+"""Jobs sharing a worker are isolated: a paused consumer holds only its share
+of what the worker keeps ready, and an epoch its trainer left (iterator
+dropped, new iter(), close(), trainer killed) is forgotten at once on the
+worker: its batches leave memory and /dev/shm. Both data paths."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import dpex
+from dpex.testing import test_cluster, wait_until
+from tests.integration.test_observability import scrape, total
+
+BUFFER = 8
+SPEC = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=400)
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    # A consumer timeout far beyond the waits below: what they see is the
+    # worker and dispatcher reacting to the trainer, not the reaper.
+    with test_cluster(num_workers=1, processes=1, buffer_batches=BUFFER, metrics=True,
+                      consumer_timeout_s=120.0) as c:
+        yield c
+
+
+def ready(cluster, loader) -> float:
+    """Batches the worker holds ready for ``loader``'s consumer."""
+    return total(scrape(cluster.workers[0].metrics_url), "dpex_worker_consumer_ready_batches",
+                 job_id=loader.job_id, consumer=0)
+
+
+def left_nothing(cluster, loader) -> bool:
+    m = scrape(cluster.workers[0].metrics_url)
+    return (total(m, "dpex_worker_consumer_ready_batches", job_id=loader.job_id) == 0
+            and total(m, "dpex_worker_shm_bytes", kind="frame") == 0)
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "grpc"])
+def test_a_paused_consumer_holds_only_its_share(one_worker, shm):
+    c = one_worker
+    with dpex.RemoteDataLoader(c.address, SPEC, batch_size=4, job_name=f"paused-{shm}", window=2,
+                               shared_memory=shm, timeout=60) as a, \
+            dpex.RemoteDataLoader(c.address, SPEC, batch_size=4, job_name=f"busy-{shm}", window=2,
+                                  shared_memory=shm, timeout=60) as b:
+        paused = iter(a)
+        next(paused)  # then the trainer does something else for a long while
+        wait_until(lambda: ready(c, a) == BUFFER, what="A, alone, filling the whole buffer")
+        epoch = iter(b)
+        first = next(epoch)["y"].tolist()
+        # B takes its share; A's batches over its share were evicted.
+        wait_until(lambda: ready(c, b) == BUFFER // 2 and ready(c, a) == BUFFER // 2,
+                   what="the buffer shared half and half")
+        rest = [y for batch in epoch for y in batch["y"].tolist()]
+        assert first + rest == list(range(400))
+        got = [y for batch in paused for y in batch["y"].tolist()]  # A resumes: nothing lost
+        assert len(got) == 400 - 4 and got == list(range(4, 400))
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "grpc"])
+@pytest.mark.parametrize("how", ["break", "next-iter", "new-iter", "close"])
+def test_a_left_epoch_is_forgotten_at_once(one_worker, shm, how):
+    c = one_worker
+    loader = dpex.RemoteDataLoader(c.address, SPEC, batch_size=4, job_name=f"left-{how}-{shm}",
+                                   shared_memory=shm, timeout=60)
+    try:
+        if how == "break":
+            for i, _ in enumerate(loader):
+                if i == 2:
+                    wait_until(lambda: ready(c, loader) > 0, what="batches made ahead")
+                    break
+        elif how == "next-iter":
+            next(iter(loader))
+        else:
+            epoch = iter(loader)
+            next(epoch)
+            wait_until(lambda: ready(c, loader) > 0, what="batches made ahead")
+            if how == "new-iter":
+                assert next(iter(loader))["y"].tolist() == [0, 1, 2, 3]  # a new epoch starts afresh
+            else:
+                loader.close()
+        wait_until(lambda: left_nothing(c, loader), 10, "the left epoch's batches to be freed")
+        job = wait_until(lambda: [j for j in dpex_status(c) if j.job_id == loader.job_id], 10, "the job")[0]
+        assert job.splits_assigned + job.splits_unassigned == 0  # nothing of it is planned any more
+    finally:
+        loader.close()
+
+
+def test_a_killed_trainers_batches_are_freed_at_once(one_worker):
+    c = one_worker
+    script = textwrap.dedent(f"""
+        import os, signal, dpex
+        loader = dpex.RemoteDataLoader({c.address!r}, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=400),
+                                       batch_size=4, job_name="killed", timeout=60)
+        it = iter(loader)
+        next(it)
+        print(loader.job_id, flush=True)
+        input()  # the test kills us while we hold the epoch
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        job_id = int(trainer.stdout.readline())
+        held = lambda: total(scrape(c.workers[0].metrics_url), "dpex_worker_consumer_ready_batches",  # noqa: E731
+                             job_id=job_id)
+        wait_until(lambda: held() > 0, what="batches made ahead for the trainer")
+        trainer.kill()
+        trainer.wait()
+        wait_until(lambda: held() == 0, 10, "the killed trainer's batches to be freed")
+        assert total(scrape(c.workers[0].metrics_url), "dpex_worker_shm_bytes", kind="frame") == 0
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def dpex_status(cluster):
+    from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    from dpex.rpc import channel
+    ch = channel(cluster.address)
+    try:
+        return dgrpc.DispatcherStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=10).jobs
+    finally:
+        ch.close()
