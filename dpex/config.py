@@ -50,8 +50,8 @@ class WorkerConfig:
     port: int = 0                        # 0 picks a free port
     advertise_host: str | None = None    # how trainers reach this worker; None: guessed
     processes: int = 2                   # batch-producing processes
-    buffer_batches: int = 8              # finished batches held ahead of requests, shared by consumers
-    buffer_bytes: int = 1 << 30          # the same buffer's bound in bytes
+    buffer_batches: int = 8              # finished batches each consumer may hold ahead of requests
+    buffer_bytes: int = 1 << 30          # memory for batches made ahead, shared equally by consumers
     max_held_splits: int = 4             # splits taken from the dispatcher at once
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher

@@ -22,10 +22,10 @@ from dpex.procutil import reuse_freed_memory
 @click.option("--processes", type=int, default=2, envvar="DPEX_PROCESSES", show_envvar=True,
               help="Processes that load, transform and collate samples.")
 @click.option("--buffer-batches", type=int, default=8, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
-              help="Finished batches kept ready ahead of the trainers' requests; each consumer "
-              "(a trainer rank of a job) with work here may hold an equal share.")
+              help="Finished batches each consumer (a trainer rank of a job) may have ready here "
+              "ahead of its requests.")
 @click.option("--buffer-mb", type=float, default=1024, envvar="DPEX_BUFFER_MB", show_envvar=True,
-              help="The same buffer's bound in MiB, shared the same way.")
+              help="Memory for batches made ahead, in MiB; the consumers with work here share it equally.")
 @click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
               help="Splits taken from the dispatcher at once.")
 @click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",

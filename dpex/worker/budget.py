@@ -1,11 +1,12 @@
 """What each consumer may hold ready on a worker, and whose turn it is.
 
-A worker produces batches ahead of its trainers' requests into a bounded
-buffer (``buffer_batches``, ``buffer_bytes``). That buffer is shared fairly:
-each consumer (a job's trainer rank) with work on the worker may hold at
-most an equal share of it, so a slow, paused or departed consumer fills only
-its own share and the others keep producing ahead. When a newcomer finds the
-buffer full of someone else's over-share batches, the scheduler evicts those
+A worker produces batches ahead of its trainers' requests. Each consumer (a
+job's trainer rank) with work on the worker may hold up to ``max_batches``
+of them (its own read-ahead depth, as tf.data service keeps a buffer per
+task), and an equal share of the worker's ``max_bytes`` (the memory bound):
+a slow, paused or departed consumer fills only its own share, and the
+others keep producing ahead. When a newcomer finds the bytes taken by
+someone else's over-share batches, the scheduler evicts those
 (:meth:`Budget.over_share`); they are made again when asked for.
 
 Production turns go round the jobs that have demand (:class:`Turns`), so one
@@ -94,13 +95,12 @@ class Budget:
 
     # ---- questions -------------------------------------------------------------
     def share(self, active: int) -> tuple[int, int]:
-        """(batches, bytes) one of ``active`` consumers may hold ahead."""
-        n = max(1, active)
-        return max(1, self.max_batches // n), max(1, self.max_bytes // n)
+        """(batches, bytes) one of ``active`` consumers may hold ahead: its own
+        depth, and an equal part of the memory."""
+        return self.max_batches, max(1, self.max_bytes // max(1, active))
 
-    def totals(self) -> tuple[int, int]:
-        held = self._held.values()
-        return sum(h.batches for h in held), sum(h.bytes for h in held)
+    def total_bytes(self) -> int:
+        return sum(h.bytes for h in self._held.values())
 
     def room(self, consumer: Consumer, active: int) -> bool:
         """Whether the consumer may start one more batch ahead within its share."""
@@ -109,10 +109,9 @@ class Budget:
         return h.batches < batches and (h.batches == 0 or h.bytes + h.last_size <= nbytes)
 
     def fits(self, consumer: Consumer) -> bool:
-        """Whether one more batch of the consumer's fits in the whole buffer."""
-        batches, nbytes = self.totals()
-        size = self.holding(consumer).last_size
-        return batches < self.max_batches and (batches == 0 or nbytes + size <= self.max_bytes)
+        """Whether one more batch of the consumer's fits in the worker's memory bound."""
+        total = self.total_bytes()
+        return total == 0 or total + self.holding(consumer).last_size <= self.max_bytes
 
     def over_share(self, active: int, consumers: Iterable[Consumer]) -> Consumer | None:
         """Of ``consumers``, the one with ready batches most over its share, if any."""

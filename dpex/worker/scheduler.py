@@ -1,11 +1,12 @@
 """Decides which batch the worker's processes produce next.
 
 Batches a trainer has requested come first (they are what it waits for);
-then batches produced ahead of requests, each consumer within its share of
-``buffer_batches`` / ``buffer_bytes`` (dpex.worker.budget). Turns go round
-the jobs that have demand. So memory is bounded by the buffer plus the
-trainers' request windows, and a slow, paused or departed consumer holds only
-its own share: the others keep producing ahead.
+then batches produced ahead of requests, each consumer up to
+``buffer_batches`` of them and its equal share of ``buffer_bytes``
+(dpex.worker.budget). Turns go round the jobs that have demand. So memory is
+bounded by ``buffer_bytes`` plus the trainers' request windows, and a slow,
+paused or departed consumer holds only its own share: the others keep
+producing ahead.
 
 A consumer whose Fetch streams have all closed (its trainer left or died) is
 idle: what it held ready is dropped at once, and nothing is made ahead for it
@@ -367,16 +368,26 @@ class Scheduler:
                 best = key
         return best
 
+    def _trim(self, active: int) -> None:
+        """Keeps batches made ahead within the memory bound: a newcomer's first
+        batch, of a size not known before, may have gone over it."""
+        while self._budget.total_bytes() > self._budget.max_bytes:
+            victim = self._budget.over_share(active, self._queues)
+            if victim is None:
+                return
+            self._drop_ready(victim, keep=self._budget.holding(victim).ready - 1)
+
     def _next(self) -> Key | None:
         key = self._turns.pick(self._urgent_of)
         if key is not None:
             return key
         active = self._active()
+        self._trim(active)
         blocked: list[Consumer] = []
         key = self._turns.pick(lambda job: self._ahead_of(job, active, blocked))
         if key is not None or not blocked:
             return key
-        # The buffer is full of batches of consumers over their share (they
+        # The memory is full of batches of consumers over their share (they
         # were alone when they made them): evict one so that a newcomer gets its share.
         victim = self._budget.over_share(active, [c for c in self._queues if c not in blocked])
         if victim is None:

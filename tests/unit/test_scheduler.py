@@ -106,17 +106,30 @@ def test_a_taken_over_split_produces_only_what_was_not_delivered(scheduler):
     assert meta.seq == 1 and decode(payload)["y"].tolist() == [2, 3]
 
 
-def test_a_newcomer_gets_its_share_of_a_buffer_another_consumer_filled(pool, tmp_path):
-    # Job 9's consumer was alone and filled the whole buffer, then stopped
-    # asking (paused). Job 10 arrives: the buffer is split, job 9's batches
-    # over its share are evicted (made again if it asks), job 10 produces ahead.
+def test_a_newcomer_gets_its_share_of_memory_another_consumer_filled(pool, tmp_path):
+    # Job 9's consumer was alone and filled the worker's memory for batches
+    # made ahead, then stopped asking (paused). Job 10 arrives: the memory is
+    # split, job 9's batches over its share are evicted (made again if it
+    # asks), job 10 produces ahead.
     path = tmp_path / "job.pb"
     path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(
         dpex.DatasetSpec("dpex.testing.datasets:Squares", n=100)), num_consumers=1).SerializeToString())
-    s = Scheduler(pool, lambda job_id: str(path), buffer_batches=4, max_inflight=2, worker_address="w")
+
+    def scheduler(buffer_bytes):
+        return Scheduler(pool, lambda job_id: str(path), buffer_batches=4, max_inflight=2, worker_address="w",
+                         buffer_bytes=buffer_bytes)
+    s = scheduler(1 << 30)
+    try:  # each consumer has its own depth: both hold 4 while memory suffices
+        s.add_split(split(split_id=1, job_id=9))
+        s.add_split(split(split_id=2, job_id=10))
+        wait_until(lambda: s.held_by(9, 0)[0] == 4 and s.held_by(10, 0)[0] == 4, what="two full depths")
+        size = s.held_by(9, 0)[1] // 4
+    finally:
+        s.close()
+    s = scheduler(4 * size + size // 2)  # memory for 4 such batches
     try:
         s.add_split(split(split_id=1, job_id=9))
-        wait_until(lambda: s.held_by(9, 0)[0] == 4, what="job 9 filling the buffer")
+        wait_until(lambda: s.held_by(9, 0)[0] == 4, what="job 9 filling the memory")
         s.add_split(split(split_id=2, job_id=10))
         wait_until(lambda: s.held_by(10, 0)[0] == 2, what="job 10's share")
         assert s.held_by(9, 0)[0] == 2 and s.depth() == (4, 0)
