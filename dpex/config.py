@@ -64,9 +64,11 @@ class WorkerConfig:
     metrics_port: int | None = None      # Prometheus endpoint; None: none, 0: a free port
     shared_memory: bool = True           # frames via /dev/shm files; same-host trainers map them
     shm_min_bytes: int = 1 << 20         # smaller frames take the pipe and gRPC
+    data_port: int | None = 0            # frames to other hosts on a TCP socket; 0: a free port, None: off
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")
+        _check(self.data_port is None or 0 <= self.data_port < 65536, "data_port must be in 0..65535 or None")
         _check(1 << 10 <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
                f"max_message_bytes must be in 1 KiB..1 GiB, got {self.max_message_bytes}")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "bad metrics_port")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from dpex.errors import DpexWireError
 from dpex.rpc import channel
 from dpex.wire import parse_frame
 from dpex.worker import handoff
+from dpex.worker.dataport import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 from dpex.worker.handoff import HOST_METADATA, host_id
 
 log = logging.getLogger("dpex.client")
@@ -34,6 +36,40 @@ def drop_file(meta: wpb.Batch) -> None:
         handoff.discard(handoff.Handoff(meta.shm_path, meta.shm_size))
 
 
+def _connect(address: str, port: int, key: bytes) -> socket.socket:
+    """The data socket to a worker, keyed to our Fetch stream; a dead peer is
+    noticed by TCP keepalive in about 20 s (as gRPC's keepalive)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    sock = socket.create_connection((host, port), timeout=10)
+    try:
+        sock.sendall(key)
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _follow(sock: socket.socket, pointer: bytes) -> "bytes | bytearray":
+    """The frame a pointer names, read from the data socket into a buffer of
+    our own (one copy, the kernel's); a frame sent whole in gRPC as it is."""
+    meta, _ = parse_frame(pointer)
+    if not meta.data_size:
+        return pointer
+    buf = bytearray(meta.data_size)
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise OSError("the worker closed the data socket")
+        got += n
+    return buf
+
+
 class _Stream:
     def __init__(self, address: str, pool: "StreamPool", token: str | None,
                  tls_ca: bytes | None, host: str) -> None:
@@ -47,7 +83,14 @@ class _Stream:
             "/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
             response_deserializer=None)  # frames stay bytes: parsed without copies later
         # Our host id: a worker on the same host sends /dev/shm file names, not bytes.
-        self._call = fetch(iter(self._requests.get, None), metadata=((HOST_METADATA, host),) if host else None)
+        # Without TLS, we ask for a data socket: frames then come on it, read
+        # straight into our buffers (dpex.worker.dataport).
+        self._want_data = tls_ca is None
+        metadata = ((HOST_METADATA, host),) if host else ()
+        if self._want_data:
+            metadata += ((REQUEST_METADATA, "1"),)
+        self._sock: socket.socket | None = None
+        self._call = fetch(iter(self._requests.get, None), metadata=metadata or None)
         # daemon=True only so that interpreter exit reaches the loader's
         # finalizer, which closes the stream (the real stop path).
         self._thread = threading.Thread(target=self._receive, name=f"dpex-recv-{address}", daemon=True)
@@ -58,12 +101,21 @@ class _Stream:
 
     def _receive(self) -> None:
         try:
+            if self._want_data:
+                answer = dict(self._call.initial_metadata() or ())
+                if PORT_METADATA in answer:
+                    self._sock = _connect(self.address, int(answer[PORT_METADATA]),
+                                          bytes.fromhex(answer[KEY_METADATA]))
             for frame in self._call:
+                if self._sock is not None:
+                    frame = _follow(self._sock, frame)
                 if self._pool.wanted(frame):
                     self._results.put(Received(self.address, frame))
             error: BaseException = ConnectionError(f"worker {self.address} closed the stream")
         except grpc.RpcError as e:
             error = e
+        except (OSError, ValueError, DpexWireError) as e:
+            error = ConnectionError(f"data socket to worker {self.address}: {e}")
         if not self._closing:
             self._results.put(Received(self.address, None, error))
 
@@ -71,8 +123,16 @@ class _Stream:
         self._closing = True
         self._requests.put(None)  # ends the request iterator
         self._call.cancel()
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # a receiver blocked in recv returns
+            except OSError:
+                pass
         if self._thread is not threading.current_thread():
             self._thread.join()
+        if sock is not None:
+            sock.close()
         self._channel.close()
 
 

@@ -19,6 +19,7 @@ from dpex.metrics import MetricsServer, load_metrics
 from dpex.rpc import add_health, listen, server_interceptors, server_options
 from dpex.worker import handoff
 from dpex.worker.agent import DispatcherAgent
+from dpex.worker.dataport import DataPort
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, inspect
 from dpex.worker.scheduler import Scheduler
@@ -77,15 +78,18 @@ class WorkerServer:
                               handoff_min_bytes=config.shm_min_bytes)
         self.agent: DispatcherAgent | None = None
         self.metrics: MetricsServer | None = None
+        self.data_port: DataPort | None = None
         try:
             self.scheduler = Scheduler(self.pool, self._job_path,
                                        buffer_batches=config.buffer_batches,
                                        buffer_bytes=config.buffer_bytes,
                                        max_inflight=2 * config.processes,
                                        worker_address=self.address, meter=Meter(config.processes))
+            if config.data_port is not None and not config.tls_cert_file:
+                self.data_port = DataPort(config.host, config.data_port)
             service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
                                     worker_address=self.address, shared_memory=config.shared_memory,
-                                    spare_files=config.processes)
+                                    spare_files=config.processes, data_port=self.data_port)
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
@@ -158,6 +162,8 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.close()
         self._server.stop(grace_s).wait()
+        if self.data_port is not None:
+            self.data_port.close()
         if hasattr(self, "scheduler"):
             self.scheduler.close()
         self.pool.close()

@@ -14,12 +14,14 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
 from dpex.wire import build_frame, parse_frame
 from dpex.worker import handoff
+from dpex.worker.dataport import KEY_METADATA, PORT_METADATA, REQUEST_METADATA, DataPort, Sender
 from dpex.worker.handoff import HOST_METADATA, Handoff
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")
 
 _SERVICE = "dpex.v1.Worker"
+_DATA_MIN_BYTES = 64 << 10  # smaller frames stay in the gRPC message: a pointer would save nothing
 _UNMAPPED_KEPT = 4096  # far more than a trainer's window: older pointer frames were mapped long ago
 
 
@@ -38,8 +40,10 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
                  max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
-                 spare_files: int = 0) -> None:
-        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff)."""
+                 spare_files: int = 0, data_port: DataPort | None = None) -> None:
+        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff);
+        ``data_port``: frames to trainers that ask go over a socket of it (dpex.worker.dataport)."""
+        self._data_port = data_port
         self._scheduler = scheduler
         self._inspect = inspect
         self._max_frame = max_frame_bytes
@@ -77,7 +81,11 @@ class WorkerService:
         # The reader ends with the RPC (its iterator ends or raises).
         reader = threading.Thread(target=read, name="dpex-fetch-reader", daemon=True)
         reader.start()
-        same_host = bool(self._host) and (HOST_METADATA, self._host) in tuple(context.invocation_metadata())
+        metadata = tuple(context.invocation_metadata())
+        same_host = bool(self._host) and (HOST_METADATA, self._host) in metadata
+        sender = None
+        if (REQUEST_METADATA, "1") in metadata:  # answered at once: the trainer waits for it
+            sender = self._data_socket(context) if not same_host else context.send_initial_metadata(())
         pointed: deque[Handoff] = deque(maxlen=_UNMAPPED_KEPT)  # files named to a same-host trainer
         self._meter.stream(+1)
         try:
@@ -88,14 +96,37 @@ class WorkerService:
                 self._meter.sent(handoff.size_of(frame))
                 if same_host and isinstance(frame, Handoff):
                     pointed.append(frame)
-                yield self._outgoing(frame, same_host)
+                outgoing = self._outgoing(frame, same_host)
+                if sender is not None and len(outgoing) >= _DATA_MIN_BYTES:
+                    if sender.failed is not None:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, f"data socket failed: {sender.failed}")
+                    sender.send(outgoing)  # the bytes, on the socket, in the order of the pointers
+                    meta, _ = parse_frame(outgoing)
+                    meta.data_size = len(outgoing)
+                    outgoing = build_frame(meta)
+                yield outgoing
         finally:
+            if sender is not None:
+                sender.close()
             self._meter.stream(-1)
             self._scheduler.cancel(sink)
             while not out.empty():  # asked for, produced, never sent
                 handoff.discard(out.get())
             for frame in pointed:  # named but never mapped (a mapped one was renamed): the trainer left
                 handoff.discard(frame)
+
+    def _data_socket(self, context: grpc.ServicerContext) -> Sender | None:
+        """Pairs this stream with the trainer's data socket (None: it stays on gRPC)."""
+        if self._data_port is None:
+            context.send_initial_metadata(())
+            return None
+        key = DataPort.new_key()
+        context.send_initial_metadata(((PORT_METADATA, str(self._data_port.port)), (KEY_METADATA, key.hex())))
+        conn = self._data_port.claim(key, timeout_s=10.0)
+        if conn is None:
+            log.warning("a trainer asked for a data socket but did not connect; sending over gRPC")
+            return None
+        return Sender(conn)
 
     def _outgoing(self, frame: "bytes | Handoff", same_host: bool) -> bytes:
         """What goes on the wire: the file's name for a same-host trainer,

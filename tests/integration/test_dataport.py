@@ -1,0 +1,59 @@
+"""The data socket beside a gRPC Fetch stream (a trainer on another host,
+plain TCP): frames arrive on it, a broken socket is a broken stream (asked
+again, nothing lost or doubled), garbage on the port harms no one, and
+``--data-port -1`` keeps every batch in gRPC messages."""
+import logging
+import os
+import socket
+
+import dpex
+from dpex.testing import test_cluster
+
+SPEC = dpex.DatasetSpec("dpex.testing.datasets:Sized", 24, (1, 3))
+SIZES = (1, 3)
+
+
+def sockets(loader) -> list:
+    return [s._sock for s in loader._res.streams._streams.values()]
+
+
+def epoch(loader, cut_at=None) -> list[int]:
+    got = []
+    for i, batch in enumerate(loader):
+        assert batch.shape == (1, SIZES[i % 2] << 20)
+        got.append(int(batch[0, -1]))
+        if i == cut_at:  # the network drops the socket mid-epoch
+            sockets(loader)[0].shutdown(socket.SHUT_RDWR)
+    return got
+
+
+def test_frames_come_on_the_data_socket_and_a_broken_one_loses_nothing(cluster, caplog):
+    with dpex.RemoteDataLoader(cluster.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+        assert epoch(dl) == list(range(24))
+        assert all(s is not None for s in sockets(dl))
+        with caplog.at_level(logging.WARNING, logger="dpex.client"):
+            assert epoch(dl, cut_at=5) == list(range(24))  # exactly once, in order
+        assert "data socket" in caplog.text  # the failure was seen, and recovered from
+        assert epoch(dl) == list(range(24))
+
+
+def test_garbage_and_silence_on_the_data_port_harm_no_one():
+    with test_cluster(num_workers=1) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+            assert epoch(dl) == list(range(24))
+            port = sockets(dl)[0].getpeername()[1]
+            silent = socket.create_connection(("127.0.0.1", port))
+            for payload in (os.urandom(16), os.urandom(3), b"GET / HTTP/1.1\r\n\r\n" * 100):
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    s.sendall(payload)
+            assert epoch(dl) == list(range(24))
+            dl._res.streams.close()  # a new stream, a new socket, with the strangers still there
+            assert epoch(dl) == list(range(24))
+            silent.close()
+
+
+def test_without_a_data_port_batches_stay_in_grpc_messages():
+    with test_cluster(num_workers=1, worker_flags=("--data-port", "-1")) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+            assert epoch(dl) == list(range(24))
+            assert sockets(dl) == [None]
