@@ -85,7 +85,7 @@ class _Stream:
         # Our host id: a worker on the same host sends /dev/shm file names, not bytes.
         # Without TLS, we ask for a data socket: frames then come on it, read
         # straight into our buffers (dpex.worker.dataport).
-        self._want_data = tls_ca is None
+        self._want_data = tls_ca is None and pool.data_socket
         metadata = ((HOST_METADATA, host),) if host else ()
         if self._want_data:
             metadata += ((REQUEST_METADATA, "1"),)
@@ -104,8 +104,14 @@ class _Stream:
             if self._want_data:
                 answer = dict(self._call.initial_metadata() or ())
                 if PORT_METADATA in answer:
-                    self._sock = _connect(self.address, int(answer[PORT_METADATA]),
-                                          bytes.fromhex(answer[KEY_METADATA]))
+                    port = int(answer[PORT_METADATA])
+                    try:
+                        self._sock = _connect(self.address, port, bytes.fromhex(answer[KEY_METADATA]))
+                    except OSError as e:  # a firewall, say: from now on, bytes in gRPC messages
+                        log.warning("cannot reach worker %s's data port %d (%s); receiving batches in gRPC "
+                                    "messages instead", self.address, port, e)
+                        self._pool.data_socket = False
+                        raise
             for frame in self._call:
                 if self._sock is not None:
                     frame = _follow(self._sock, frame)
@@ -141,6 +147,7 @@ class StreamPool:
                  shared_memory: bool = True) -> None:
         self.token, self.tls_ca = token, tls_ca
         self.host = host_id() if shared_memory else ""
+        self.data_socket = True  # ask workers on other hosts for a data socket (dpex.worker.dataport)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()

@@ -57,3 +57,16 @@ def test_without_a_data_port_batches_stay_in_grpc_messages():
         with dpex.RemoteDataLoader(c.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
             assert epoch(dl) == list(range(24))
             assert sockets(dl) == [None]
+
+
+def test_an_unreachable_data_port_falls_back_to_grpc_messages(cluster, monkeypatch, caplog):
+    from dpex.client import streams
+
+    def firewalled(address, port, key):
+        raise ConnectionRefusedError(111, "Connection refused")
+    monkeypatch.setattr(streams, "_connect", firewalled)
+    with caplog.at_level(logging.WARNING, logger="dpex.client"), \
+            dpex.RemoteDataLoader(cluster.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+        assert epoch(dl) == list(range(24))
+        assert all(s is None for s in sockets(dl))
+    assert "receiving batches in gRPC messages instead" in caplog.text
