@@ -98,7 +98,13 @@ class DataPort:
             self._cond.notify_all()
         for conn, _ in pending:
             conn.close()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (a close alone does not)
+        except OSError:
+            pass
         self._listener.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class Sender:

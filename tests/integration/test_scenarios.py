@@ -68,5 +68,8 @@ def test_deleting_a_loader_mid_epoch_leaves_nothing_behind(monkeypatch):
     del loader, it
     gc.collect()
     assert pids_alive(started) == []
-    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("dpex")], 10,
-               "dpex threads to end")
+    ours = lambda: [t.name for t in threading.enumerate() if t.name.startswith("dpex")]  # noqa: E731
+    try:
+        wait_until(lambda: not ours(), 10, "dpex threads to end")
+    except TimeoutError:
+        raise AssertionError(f"dpex threads still running: {ours()}") from None
