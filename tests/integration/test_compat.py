@@ -93,8 +93,13 @@ def test_worker_info_seeds_and_worker_init_fn_as_in_torch(persistent):
         rs.seed(_generate_state(base, wid))
         assert s["np_state"].tolist() == rs.get_state()[1][:4].tolist()
         assert s["init_calls"].item() == 1
-    later = {s["init_calls"].item() for s in second}
-    assert later == ({1} if persistent else {2})  # worker_init_fn once per epoch, or once
+    # worker_init_fn once per epoch a process works in, or once. (A process
+    # may have made no batch of the first epoch: the second one may still have
+    # been starting while the first made them all.)
+    first = {s["pid"].item() for s in samples}
+    for s in second:
+        assert s["init_calls"].item() == (1 if persistent or s["pid"].item() not in first else 2)
+    assert persistent or any(s["init_calls"].item() == 2 for s in second)
     if not persistent:  # a new epoch, a new base seed
         assert {s["seed"].item() for s in second}.isdisjoint({s["seed"].item() for s in samples})
 
