@@ -290,9 +290,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def ReleaseConsumer(self, request, context):
         with self._cond:
-            job = self._state.jobs.get(request.job_id)
-            plan = job.plans.get(request.consumer_index) if job else None
-            if plan is None or (request.HasField("epoch") and plan.epoch != request.epoch):
+            plan = self._state.plan(request.job_id, request.consumer_index,
+                                    request.epoch if request.HasField("epoch") else None)
+            if plan is None:
                 return dpb.ReleaseConsumerResponse()  # nothing, or a newer epoch: keep it
             self._consumer_seen.pop((request.job_id, request.consumer_index), None)
             self._apply(release_consumer=jpb.ReleaseConsumer(

@@ -169,11 +169,10 @@ class DispatcherState:
         return newly
 
     def _apply_release_consumer(self, u: jpb.ReleaseConsumer) -> None:
-        job = self.jobs.get(u.job_id)
-        plan = job.plans.get(u.consumer_index) if job else None
-        if plan is None or (u.HasField("epoch") and plan.epoch != u.epoch):
+        plan = self.plan(u.job_id, u.consumer_index, u.epoch if u.HasField("epoch") else None)
+        if plan is None:
             return  # with an epoch: a newer plan of the consumer's is not touched
-        del job.plans[u.consumer_index]
+        del self.jobs[u.job_id].plans[u.consumer_index]
         self._cancel(plan)
 
     # ---- helpers (called only from apply) ----------------------------------
@@ -209,10 +208,11 @@ class DispatcherState:
         job_id = self.jobs_by_name.get(name)
         return self.jobs.get(job_id) if job_id is not None else None
 
-    def plan(self, job_id: int, consumer_index: int, epoch: int) -> Plan | None:
+    def plan(self, job_id: int, consumer_index: int, epoch: int | None) -> Plan | None:
+        """The consumer's newest plan, if it is of ``epoch`` (None: whatever its epoch)."""
         job = self.jobs.get(job_id)
         plan = job.plans.get(consumer_index) if job else None
-        return plan if plan is not None and plan.epoch == epoch else None
+        return plan if plan is not None and epoch in (None, plan.epoch) else None
 
     def owners(self, plan: Plan) -> list[tuple[Split, Worker]]:
         """Assigned, undelivered splits of a plan with their workers."""

@@ -29,7 +29,7 @@ class DispatcherAgent:
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._full_poll: Any = None  # the heartbeat in flight while we had no room for splits
+        self._poll: Any = None  # the heartbeat in flight, to cut short when room frees
         scheduler.on_capacity = self._room_freed
         self.worker_id = ""
         self.registered = threading.Event()
@@ -49,7 +49,7 @@ class DispatcherAgent:
 
     def _track_poll(self, asked: tuple[int, list], future: Any) -> None:
         with self._lock:
-            self._full_poll = future
+            self._poll = future
         if future is not None and self._more_room(asked):
             self._room_freed()  # room came between asking and this call starting
 
@@ -62,9 +62,9 @@ class DispatcherAgent:
         more room than it asked for (a split fully produced, a consumer no
         longer saturated), cut it short and ask again."""
         with self._lock:
-            if self._full_poll is not None:
-                self._full_poll.cancel()
-                self._full_poll = None
+            if self._poll is not None:
+                self._poll.cancel()
+                self._poll = None
 
     def _register(self) -> None:
         response = self._rpc(self._stub.RegisterWorker,

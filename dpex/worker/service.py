@@ -85,7 +85,10 @@ class WorkerService:
         same_host = bool(self._host) and (HOST_METADATA, self._host) in metadata
         sender = None
         if (REQUEST_METADATA, "1") in metadata:  # answered at once: the trainer waits for it
-            sender = self._data_socket(context) if not same_host else context.send_initial_metadata(())
+            if same_host:
+                context.send_initial_metadata(())  # no socket: it maps /dev/shm files
+            else:
+                sender = self._data_socket(context)
         pointed: deque[Handoff] = deque(maxlen=_UNMAPPED_KEPT)  # files named to a same-host trainer
         self._meter.stream(+1)
         try:
