@@ -109,7 +109,8 @@ class LocalCluster:
             raise
 
     # ---- daemons --------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    def _spawn(self, name: str, args: list[str],
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
         with self._lock:
             self._count += 1
             stem = os.path.join(self.log_dir, f"{name}-{self._count}")
@@ -117,7 +118,7 @@ class LocalCluster:
         with open(log_path, "ab") as log:
             process = subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready],
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env=self._env)
+                                       env={**self._env, **(env or {})})
         return process, ready, log_path
 
     def _await(self, name: str, process: subprocess.Popen, ready: str, log_path: str) -> Daemon:
@@ -143,9 +144,10 @@ class LocalCluster:
                 "--heartbeat-interval", str(self._hb[0]), *self._tls_args, *self._tls_ca_args,
                 *self._metrics_args, *self._worker_flags]
 
-    def add_workers(self, n: int = 1) -> list[Daemon]:
-        """Starts ``n`` more workers (in parallel) and waits until they serve."""
-        started = [self._spawn("worker", self._worker_args()) for _ in range(n)]
+    def add_workers(self, n: int = 1, env: dict[str, str] | None = None) -> list[Daemon]:
+        """Starts ``n`` more workers (in parallel; ``env``: more environment
+        variables for them) and waits until they serve."""
+        started = [self._spawn("worker", self._worker_args(), env) for _ in range(n)]
         daemons = []
         for spawned in started:
             daemons.append(self._await("worker", *spawned))
@@ -172,8 +174,16 @@ class LocalCluster:
     def restart_dispatcher(self, sig: int = signal.SIGKILL) -> Daemon:
         """Kills the dispatcher (default SIGKILL) and starts it again on the
         same port (and work dir, if any); workers and trainers reconnect."""
+        self.stop_dispatcher(sig)
+        return self.start_dispatcher()
+
+    def stop_dispatcher(self, sig: int = signal.SIGKILL) -> None:
+        """Kills the dispatcher (default SIGKILL); :meth:`start_dispatcher` brings it back."""
         self.dispatcher.process.send_signal(sig)
         self.dispatcher.process.wait()
+
+    def start_dispatcher(self) -> Daemon:
+        """Starts a stopped dispatcher again, on its port (and work dir, if any)."""
         port = self.address.rsplit(":", 1)[1]
         self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", port])
         return self.dispatcher

@@ -65,6 +65,7 @@ class WorkerConfig:
     shared_memory: bool = True           # frames via /dev/shm files; same-host trainers map them
     shm_min_bytes: int = 1 << 20         # smaller frames take the pipe and gRPC
     data_port: int | None = 0            # frames to other hosts on a TCP socket; 0: a free port, None: off
+    drain_timeout_s: float = 2.0         # on SIGTERM, answer in-flight calls this long, then kill and exit
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")
@@ -80,3 +81,4 @@ class WorkerConfig:
         _check(self.max_held_splits >= 1, "max_held_splits must be >= 1")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
         _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")

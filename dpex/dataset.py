@@ -64,3 +64,12 @@ def resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
             raise DpexNotFoundError(
                 f"unknown dataset target {target!r}: {module_name} has no attribute {attr!r}") from None
     return obj
+
+
+def describe_dataset(dataset: Any) -> tuple[int, str]:
+    """(len(dataset), or -1 without one; the dataset's own ``fingerprint``
+    attribute or method, or ""): what every worker's copy must agree on."""
+    length = len(dataset) if hasattr(dataset, "__len__") else -1
+    fingerprint = getattr(dataset, "fingerprint", "")
+    fingerprint = fingerprint() if callable(fingerprint) else fingerprint
+    return length, str(fingerprint or "")

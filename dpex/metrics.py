@@ -78,10 +78,11 @@ def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
 
 def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     workers = _gauge("dpex_workers", "Registered workers by state.", ["state"])
-    for state in ("alive", "lost"):
+    for state in ("alive", "lost", "left"):
         workers.add_metric([state], sum(w.state == state for w in status.workers))
-    jobs = _gauge("dpex_jobs", "Jobs the dispatcher knows.")
-    jobs.add_metric([], len(status.jobs))
+    jobs = _gauge("dpex_jobs", "Jobs the dispatcher knows, by state.", ["state"])
+    for state in ("running", "idle", "finished"):
+        jobs.add_metric([state], sum(j.state == state for j in status.jobs))
     assigned = _counter("dpex_splits_assigned", "Splits handed to workers.")
     assigned.add_metric([], status.splits_assigned_total)
     reassigned = _counter("dpex_splits_reassigned", "Splits taken back from lost or leaving workers.")

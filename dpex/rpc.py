@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -39,6 +40,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),  # dpex retries explicitly, see call()
+    # A peer that comes back is found within a second: gRPC's default reconnect
+    # backoff grows to 120 s, which kept workers away from a restarted dispatcher.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
@@ -108,40 +114,91 @@ def servicer_method(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class Outage:
+    """Since when a peer has been unreachable. Calls that share one retry for
+    as long as the outage allows in all, not each from its own start (a
+    trainer's end-of-epoch report and its next ``iter()`` give up together)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.since: float | None = None
+
+    def failed(self, now: float) -> bool:
+        """Records a failed attempt; True for the first of this outage."""
+        with self._lock:
+            first = self.since is None
+            if first:
+                self.since = now
+            return first
+
+    def over(self) -> None:
+        with self._lock:
+            self.since = None
+
+
 def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: float,
          retry_for_s: float = 0.0, stop: Callable[[], bool] | None = None,
-         track: Callable[[grpc.Future], None] | None = None) -> Any:
-    """Calls a unary RPC; retries UNAVAILABLE with backoff for ``retry_for_s``.
+         track: Callable[[grpc.Future], None] | None = None, outage: Outage | None = None) -> Any:
+    """Calls a unary RPC; retries UNAVAILABLE with backoff for ``retry_for_s``
+    (counted from the start of ``outage``, if one is shared), saying so at the
+    first failure: which peer, why, and for how long.
 
     Any other failure, or running out of retry time, raises the DpexError
     that corresponds to the status. ``track`` receives the call's future, so
     that another thread can cancel it (it then raises DpexCancelledError).
     """
-    deadline = time.monotonic() + retry_for_s
+    outage = outage if outage is not None else Outage()
     delay = 0.05
     while True:
         future = method.future(request, timeout=timeout_s)
         if track is not None:
             track(future)
         try:
-            return future.result()
+            result = future.result()
+            outage.over()
+            return result
         except grpc.FutureCancelledError:
             raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.CANCELLED:
                 raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
-            if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline or (stop and stop()):
+            if code != grpc.StatusCode.UNAVAILABLE:
                 raise to_dpex_error(e, target) from None
+            now = time.monotonic()
+            first = outage.failed(now)
+            deadline = outage.since + retry_for_s
+            if now >= deadline or (stop and stop()):
+                error = to_dpex_error(e, target)
+                if retry_for_s > 0:
+                    error.args = (f"{error} (unreachable for {now - outage.since:.0f}s)",)
+                raise error from None
+            if first:
+                log.warning("cannot reach %s (%s); retrying for %.0fs", target,
+                            (e.details() if hasattr(e, "details") else None) or code, deadline - now)
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
         delay = min(delay * 2, 1.0)
+
+
+def check_address(address: str) -> str:
+    """``HOST:PORT`` (``dpex://HOST:PORT`` too), or a DpexConfigError at once."""
+    text = address.strip() if isinstance(address, str) else ""
+    if text.startswith("dpex://"):
+        text = text[len("dpex://"):].rstrip("/")
+    host, _, port = text.rpartition(":")
+    bad = "://" in text or "/" in text or not host or not port.isdigit() or not 0 < int(port) < 65536 \
+        or (host.startswith("[") != host.endswith("]"))
+    if bad:
+        raise errors.DpexConfigError(
+            f"bad address {address!r}: expected HOST:PORT (e.g. 127.0.0.1:7070 or dispatcher:7070), "
+            "without a scheme or path")
+    return text
 
 
 def channel(address: str, token: str | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
     """A channel to a Dpex daemon, sending ``token`` with every call; with
     ``tls_ca`` (PEM), over TLS, verifying the daemon against those CAs."""
-    if not address or ":" not in address:
-        raise errors.DpexConfigError(f"bad address {address!r}: expected HOST:PORT")
+    address = check_address(address)
     if tls_ca:
         raw = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca),
                                   options=CHANNEL_OPTIONS)

@@ -94,7 +94,8 @@ class DpexDataLoader:
             timeout=timeout or None, generator=generator,
             window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,
             persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
-            num_workers=max(1, num_workers), processes=max(1, num_workers))
+            num_workers=max(1, num_workers), processes=max(1, num_workers),
+            shard=False)  # as torch's DataLoader: only a sampler the user gives shards under DDP
 
     # torch's attributes, read from the plan that torch's own classes make
     @property

@@ -16,10 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
-from dpex.errors import DpexCancelledError, DpexError, DpexTimeoutError, DpexWireError, DpexWorkerError
+from dpex.errors import (DpexCancelledError, DpexConfigError, DpexError, DpexTimeoutError, DpexWireError,
+                         DpexWorkerError)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
-from dpex.rpc import call
+from dpex.rpc import Outage, call
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
 from dpex.wire import decode, parse_frame
@@ -51,11 +52,11 @@ class Control:
     """Acks delivered batches and learns who owns the rest, off the hot path."""
 
     def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
-                 results: queue.SimpleQueue, retry_for_s: float) -> None:
+                 results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None) -> None:
         self._stub, self._target = stub, target
         self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch)
         self._results = results
-        self._retry_for_s = retry_for_s
+        self._retry_for_s, self._outage = retry_for_s, outage
         self._lock = threading.Lock()
         self._acks: list[int] = []
         self.next_seq = 0  # the lowest batch not received yet, set by the fetcher
@@ -84,6 +85,7 @@ class Control:
                         dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,
+                        outage=self._outage,
                         stop=None if not cancellable else self._stop.is_set,
                         track=self._track if cancellable else None)
         except BaseException:
@@ -119,6 +121,27 @@ class Control:
                 self._sync(b"", wait_s=0.0, cancellable=False)
             except DpexError as e:
                 log.warning("could not report the last delivered batches: %s", e)
+
+
+class DatasetSeen(NamedTuple):
+    """The dataset the plan was made for: who built it, its length and fingerprint."""
+    where: str
+    length: int
+    fingerprint: str
+    iterable: bool = False
+
+    def check(self, address: str, meta: wpb.Batch) -> None:
+        """A worker's copy must agree: else its data is not what was planned."""
+        if not meta.HasField("dataset_length"):
+            return  # a worker that does not say (older, or an IterableDataset stream)
+        if (meta.dataset_length, meta.dataset_fingerprint) != (self.length, self.fingerprint):
+            what = [f"{self.where} has {self.length} samples", f"worker {address} has {meta.dataset_length}"]
+            if meta.dataset_fingerprint != self.fingerprint:
+                what = [f"{what[0]} (fingerprint {self.fingerprint!r})",
+                        f"{what[1]} (fingerprint {meta.dataset_fingerprint!r})"]
+            raise DpexConfigError(f"workers disagree about the dataset of job {meta.job_id}: {what[0]}, "
+                                  f"{what[1]}; every worker needs the same data (the plan was made for "
+                                  f"{self.length} samples)")
 
 
 class _Wake(NamedTuple):
@@ -158,7 +181,8 @@ class EpochFetcher:
 
     def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
-                 timeout_s: float | None, retry_for_s: float, num_streams: int = 0,
+                 timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
+                 dataset: DatasetSeen | None = None, num_streams: int = 0,
                  meter: StatsMeter | None = None, leave: Callable[[], None] | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
@@ -167,6 +191,7 @@ class EpochFetcher:
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
         self._num = num_batches
+        self._dataset = dataset
         self._n = num_streams
         self._ends: dict[int, int] = {}            # stream -> its number of batches
         self._window = window
@@ -189,7 +214,7 @@ class EpochFetcher:
         self._meter = meter or StatsMeter()
         self._closed = False
         self._interrupted = False
-        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s)
+        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage)
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)
@@ -405,6 +430,12 @@ class EpochFetcher:
                 return False
             except (OSError, DpexWireError) as e:
                 return self._corrupt_frame(got.address, seq, DpexWireError(f"hand-off file: {e}"))
+        if self._dataset is not None:
+            try:
+                self._dataset.check(got.address, meta)
+            except DpexConfigError:
+                self.close()
+                raise
         batch, size = None, len(payload)  # bytes received, compressed or not
         if not meta.HasField("error"):
             try:

@@ -12,23 +12,25 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import cloudpickle
 import torch.utils.data as tud
 
-from dpex.client.fetcher import EpochFetcher
+from dpex.client.distributed import current_run, shared_job_name
+from dpex.client.fetcher import DatasetSeen, EpochFetcher
+from dpex.client.options import LoaderOptions, check_sampling
 from dpex.client.pinning import PinnedEpoch, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
-from dpex.dataset import DatasetSpec
+from dpex.dataset import DatasetSpec, describe_dataset
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError, DpexWorkerError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
-from dpex.rpc import call, channel
-from dpex.wire.compression import check as check_compression
+from dpex.rpc import Outage, call, channel
 
 log = logging.getLogger("dpex.client")
 
@@ -57,6 +59,14 @@ class _Indices(tud.Dataset):
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+def _definition(job: dpb.JobDef) -> bytes:
+    """The job's settings without its pickled code: the same bytes in every rank."""
+    bare = dpb.JobDef()
+    bare.CopyFrom(job)
+    bare.ClearField("dataset"), bare.ClearField("collate"), bare.ClearField("worker_init_fn")
+    return bare.SerializeToString(deterministic=True)
 
 
 def _as_list(indices: list[int]) -> list[int]:
@@ -124,6 +134,11 @@ class RemoteDataLoader:
     cluster (``processes`` worker processes) that lives as long as the loader.
     ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
     files) or a dataset instance (shipped to the workers by value).
+    ``num_consumers``/``consumer_index`` default to the world size and rank
+    under torch.distributed (1/0 outside), where ranks without a ``job_name``
+    share one job named after the run (``loader.job_name``). With
+    ``num_consumers`` > 1 and no sampler, consumer k plans DistributedSampler's
+    k-th share (``shard=False``: the whole dataset, as torch's DataLoader).
     ``timeout`` is how many seconds to wait for the next batch before raising
     (None: wait as long as it takes). ``window`` batches are requested ahead.
     As with torch's DataLoader, each worker process seeds itself from the
@@ -148,35 +163,63 @@ class RemoteDataLoader:
     def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
                  shuffle: bool = False, seed: int | None = None, drop_last: bool = False,
                  sampler: Any = None, batch_sampler: Any = None,
-                 collate_fn: Callable[[list], Any] | None = None, num_consumers: int = 1,
-                 consumer_index: int = 0, job_name: str | None = None, ordered: bool = True,
+                 collate_fn: Callable[[list], Any] | None = None, num_consumers: int | None = None,
+                 consumer_index: int | None = None, job_name: str | None = None, ordered: bool = True,
                  timeout: float | None = None, *, generator: Any = None, window: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  auth_token: str | None = None, tls_ca: str | None = None,
                  connect_timeout: float = 30.0, shared_memory: bool = True,
-                 compression: str | None = None, pin_memory_device: str = "") -> None:
+                 compression: str | None = None, pin_memory_device: str = "", shard: bool = True) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
-        if batch_size is None and batch_sampler is None:
-            raise DpexConfigError("batch_size=None (no batching) is not supported; use batch_size=1")
-        if num_consumers < 1 or not 0 <= consumer_index < num_consumers:
-            raise DpexConfigError(f"consumer_index must be in 0..{num_consumers - 1}, got {consumer_index}")
-        if timeout is not None and timeout <= 0:
-            raise DpexConfigError("timeout must be > 0 seconds, or None to wait as long as it takes")
-        if window is not None and window < 1:
-            raise DpexConfigError("window must be >= 1")
-        if num_workers < 1:
-            raise DpexConfigError("num_workers must be >= 1")
+        run = None
+        if num_consumers is None or (job_name is None and (num_consumers or 1) > 1):
+            run = current_run(connect_timeout)
+        if num_consumers is None:  # under torch.distributed: one consumer per rank
+            num_consumers = run.world_size if run is not None else 1
+            if consumer_index is None:
+                consumer_index = run.rank if run is not None else 0
+        opts = LoaderOptions(
+            address=address, batch_size=batch_size, drop_last=drop_last, num_consumers=num_consumers,
+            consumer_index=0 if consumer_index is None else consumer_index, job_name=job_name,
+            ordered=ordered, timeout_s=timeout, window=window, persistent_workers=persistent_workers,
+            pin_memory=pin_memory, pin_memory_device=pin_memory_device, num_workers=num_workers,
+            processes=processes, connect_timeout_s=connect_timeout, shared_memory=shared_memory,
+            compression=compression or "")
+        if isinstance(dataset, tud.IterableDataset):
+            _check_iterable_args(shuffle, sampler, batch_sampler)
+        check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
+                       worker_init_fn)
+        num_consumers, consumer_index = opts.num_consumers, opts.consumer_index
         self._instance = None if isinstance(dataset, DatasetSpec) else dataset
         spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
         self.num_consumers, self.consumer_index = num_consumers, consumer_index
         self.ordered, self.timeout = ordered, timeout
         self._connect_timeout = connect_timeout
+        self._outage = Outage()  # the dispatcher's: every call to it gives up on one deadline
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
         self._meter = StatsMeter()
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
+        job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
+                         collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
+                         num_consumers=num_consumers, persistent_workers=persistent_workers,
+                         worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
+                         batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression)
+        derived_name = not job.name and num_consumers > 1 and run is not None
+        if not job.name and num_consumers > 1:
+            if run is not None:
+                job.name = shared_job_name(run, _definition(job))
+                log.info("rank %d of %d: consumer %d of job %r, shared by the ranks of this run",
+                         run.rank, run.world_size, consumer_index, job.name)
+            else:
+                warnings.warn(
+                    f"num_consumers={num_consumers} without job_name and outside torch.distributed: this "
+                    "loader makes a job of its own; give every consumer the same job_name to share one",
+                    stacklevel=2)
+        self.job_name = job.name or None
+        address = opts.address
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
@@ -189,35 +232,32 @@ class RemoteDataLoader:
             self._target = f"dispatcher {address}"
             self._res.channel = channel(address, token, ca)
             self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
-            job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
-                             collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
-                             num_consumers=num_consumers, persistent_workers=persistent_workers,
-                             worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
-                             batch_size=batch_size or 0, drop_last=drop_last,
-                             compression=check_compression(compression))
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "
                     f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
                     "so that workers build it from their own local files", stacklevel=2)
-            self.job_id = job_id = self._call(stub.GetOrCreateJob, dpb.GetOrCreateJobRequest(job=job)).job_id
+            self.job_id = job_id = self._call(stub.GetOrCreateJob, dpb.GetOrCreateJobRequest(
+                job=job, settings_only=derived_name)).job_id
             target = self._target  # the lambda must not hold the loader: it runs at its collection
             self._res.release = lambda: call(
                 stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
                 target=target, timeout_s=5)
             if self._instance is not None:
                 self._iterable = isinstance(dataset, tud.IterableDataset)
-                length = len(dataset) if hasattr(dataset, "__len__") else -1
+                length, fingerprint = describe_dataset(dataset)
+                self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
             else:
-                length, self._iterable = self._inspect()
+                self._dataset = self._inspect()
+                length, self._iterable = self._dataset.length, self._dataset.iterable
             self._generator, self._num_streams = generator, num_workers
             self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
             if self._iterable:
-                _check_iterable_args(shuffle, sampler, batch_sampler)
+                _check_iterable_args(shuffle, sampler, batch_sampler)  # a DatasetSpec: known only now
                 self._plan = None
             elif length < 0:
                 raise DpexConfigError("the dataset has no __len__; a map-style dataset needs one")
-            elif num_consumers > 1 and sampler is None and batch_sampler is None:
+            elif num_consumers > 1 and shard and sampler is None and batch_sampler is None:
                 sampler = tud.DistributedSampler(_Indices(length), num_replicas=num_consumers,
                                                  rank=consumer_index, shuffle=shuffle,
                                                  seed=seed if seed is not None else 0)
@@ -276,7 +316,7 @@ class RemoteDataLoader:
             stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, num_streams=streams, meter=self._meter,
+            retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset, num_streams=streams, meter=self._meter,
             leave=lambda: _send_and_forget(stub.ReleaseConsumer, request))
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
         self._res.epoch = weakref.ref(iterator)
@@ -301,34 +341,52 @@ class RemoteDataLoader:
     # ---- internals --------------------------------------------------------------------
     def _call(self, method: Any, request: Any) -> Any:
         return call(method, request, target=self._target, timeout_s=60,
-                    retry_for_s=self._connect_timeout)
+                    retry_for_s=self._connect_timeout, outage=self._outage)
+
+    def _inspect_one(self, address: str) -> wpb.InspectResponse | None:
+        try:
+            ch = channel(address, self._token, self._tls_ca)
+            try:
+                inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
+                                         request_serializer=wpb.InspectRequest.SerializeToString,
+                                         response_deserializer=wpb.InspectResponse.FromString)
+                return call(inspect, wpb.InspectRequest(job_id=self.job_id), target=f"worker {address}",
+                            timeout_s=300)
+            finally:
+                ch.close()
+        except DpexConnectionError as e:
+            log.warning("%s; asking the other workers", e)
+            return None
 
     def _alive_workers(self) -> list[str]:
         status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
         return [w.address for w in status.workers if w.state == "alive"]
 
-    def _inspect(self) -> tuple[int, bool]:
-        """Asks a worker to build the dataset: its length (-1: none), and
-        whether it is an IterableDataset."""
+    def _inspect(self) -> DatasetSeen:
+        """Asks every live worker to build the dataset (in parallel): its
+        length (-1: none), its fingerprint, and whether it is an
+        IterableDataset. Workers whose copies disagree are an error now;
+        one that joins later is checked by its first batch (DatasetSeen)."""
         deadline = time.monotonic() + self._connect_timeout
         while True:
-            for address in self._alive_workers():
-                try:
-                    ch = channel(address, self._token, self._tls_ca)
-                    try:
-                        inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
-                                                 request_serializer=wpb.InspectRequest.SerializeToString,
-                                                 response_deserializer=wpb.InspectResponse.FromString)
-                        response = call(inspect, wpb.InspectRequest(job_id=self.job_id),
-                                        target=f"worker {address}", timeout_s=300)
-                    finally:
-                        ch.close()
-                except DpexConnectionError as e:
-                    log.warning("%s; trying another worker", e)
+            addresses = self._alive_workers()
+            with ThreadPoolExecutor(max_workers=min(16, max(1, len(addresses)))) as threads:
+                answers = list(threads.map(self._inspect_one, addresses))
+            seen = None
+            for address, response in zip(addresses, answers):
+                if response is None:
                     continue
                 if response.HasField("error"):
                     raise DpexWorkerError.from_remote(response.error)
-                return response.length, response.iterable
+                this = DatasetSeen(f"worker {address}", response.length, response.fingerprint, response.iterable)
+                if seen is None:
+                    seen = this
+                elif (this.length, this.fingerprint) != (seen.length, seen.fingerprint):
+                    meta = wpb.Batch(job_id=self.job_id, dataset_length=this.length,
+                                     dataset_fingerprint=this.fingerprint)
+                    seen.check(address, meta)  # raises, naming both
+            if seen is not None:
+                return seen
             if time.monotonic() > deadline:
                 raise DpexConnectionError(
                     f"no worker is registered with {self._target} (waited {self._connect_timeout:g}s)")

@@ -23,26 +23,31 @@ def _age(seconds: float) -> str:
 
 
 def render(status) -> str:
-    alive = [w for w in status.workers if w.state == "alive"]
+    count = {s: sum(w.state == s for w in status.workers) for s in ("alive", "lost", "left")}
     lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
              f"taken back from lost workers {status.splits_reassigned_total}", "",
-             f"WORKERS ({len(alive)} alive, {len(status.workers) - len(alive)} lost)"]
+             f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
              "PRODUCED", "SENT", "SENT BYTES", "HEARTBEAT")]
     for w in status.workers:
         load = w.load
+        if w.state != "alive":  # no load of a worker that is gone
+            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 8, "-"))
+            continue
         rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
                      f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
                      str(load.fetch_streams), str(load.batches_produced), str(load.batches_sent),
                      _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago"))
     lines += _table(rows)
-    lines += ["", f"JOBS ({len(status.jobs)})"]
-    rows = [("ID", "NAME", "CONSUMERS", "EPOCH", "PLANNED", "DELIVERED", "DONE", "SPLITS ASSIGNED",
+    jobs = {s: [j for j in status.jobs if j.state == s] for s in ("running", "idle", "finished")}
+    lines += ["", f"JOBS ({len(jobs['running'])} running, {len(jobs['idle'])} idle, "
+                  f"{len(jobs['finished'])} finished)"]
+    rows = [("ID", "NAME", "STATE", "CONSUMERS", "EPOCH", "PLANNED", "DELIVERED", "DONE", "SPLITS ASSIGNED",
              "UNASSIGNED")]
-    for j in status.jobs:
+    for j in jobs["running"] + jobs["idle"] + jobs["finished"]:  # live ones first
         done = f"{100 * j.batches_delivered / j.batches_planned:.0f}%" if j.batches_planned else "-"
         epochs = sorted(set(j.epochs))
-        rows.append((str(j.job_id), j.name or "-", f"{j.consumers_active} active / {j.num_consumers}",
+        rows.append((str(j.job_id), j.name or "-", j.state, f"{j.consumers_active} active / {j.num_consumers}",
                      "-" if not epochs else "/".join(map(str, epochs)), str(j.batches_planned),
                      str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned)))
     lines += _table(rows)

@@ -24,12 +24,29 @@ from dpex.rpc import servicer_method
 log = logging.getLogger("dpex.dispatcher")
 
 
+# JobDef fields by the loader argument that sets them.
+_ARGUMENT = {"collate": "collate_fn"}
+_CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
+
+
 def job_fingerprint(job: dpb.JobDef) -> bytes:
+    """A hash of every field of the definition but its name."""
     h = hashlib.sha256()
-    for part in (job.dataset, job.collate, str(job.num_consumers).encode(), job.compression.encode()):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
+    for field in dpb.JobDef.DESCRIPTOR.fields:
+        if field.name != "name":
+            part = repr(getattr(job, field.name)).encode() if field.type != field.TYPE_BYTES \
+                else getattr(job, field.name)
+            h.update(field.name.encode() + len(part).to_bytes(8, "little"))
+            h.update(part)
     return h.digest()
+
+
+def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) -> list[str]:
+    """The loader arguments on which two definitions of a job differ (with
+    ``settings_only``, not counting the pickled code)."""
+    return [_ARGUMENT.get(f.name, f.name) for f in dpb.JobDef.DESCRIPTOR.fields
+            if f.name != "name" and not (settings_only and f.name in _CODE)
+            and getattr(a, f.name) != getattr(b, f.name)]
 
 
 def plan_hash(batches, base_seed: int, num_streams: int) -> bytes:
@@ -106,7 +123,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                         "workers drop what they hold for it)", self._config.consumer_timeout_s,
                                         extra=fields(job_id=job_id, consumer=consumer))
                             self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
-                                                                             consumer_index=consumer))
+                                                                             consumer_index=consumer, closed=True))
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
@@ -166,7 +183,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 log.info("worker is leaving; re-planning its splits",
                          extra=fields(worker_id=worker.worker_id, address=worker.address,
                                       splits_replanned=len(worker.held)))
-                self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
+                self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id, left=True))
+                self._loads.pop(worker.worker_id, None)
         return dpb.DeregisterWorkerResponse()
 
     # ---- jobs and plans -----------------------------------------------------
@@ -187,13 +205,15 @@ class DispatcherService(dgrpc.DispatcherServicer):
         with self._cond:
             existing = self._state.find_job(job.name) if job.name else None
             if existing is not None:
-                if existing.fingerprint != fingerprint:
-                    what = ("num_consumers" if existing.definition.num_consumers != job.num_consumers
-                            else "compression" if existing.definition.compression != job.compression
-                            else "dataset or collate_fn")
+                differ = differing_fields(existing.definition, job, request.settings_only)
+                if differ:
+                    hint = ("" if not _CODE & set(differ) else
+                            " (a dataset or function pickled by value - a class or function defined in "
+                            "__main__ - pickles differently in each process: name it with "
+                            "DatasetSpec('module:attr') to share a job across processes)")
                     raise DpexConflictError(
-                        f"job {job.name!r} already exists with a different {what}; "
-                        "use another job_name or the same parameters")
+                        f"job {job.name!r} already exists with a different {', '.join(differ)}; "
+                        f"use another job_name or the same arguments{hint}")
                 return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
             job_id = secrets.randbits(63)
             self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job, fingerprint=fingerprint))
@@ -290,13 +310,18 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def ReleaseConsumer(self, request, context):
         with self._cond:
+            closed = not request.HasField("epoch")  # no epoch: the loader is closing
             plan = self._state.plan(request.job_id, request.consumer_index,
-                                    request.epoch if request.HasField("epoch") else None)
-            if plan is None:
+                                    None if closed else request.epoch)
+            job = self._state.jobs.get(request.job_id)
+            if plan is None and not (closed and job is not None and request.consumer_index in job.epochs):
                 return dpb.ReleaseConsumerResponse()  # nothing, or a newer epoch: keep it
             self._consumer_seen.pop((request.job_id, request.consumer_index), None)
-            self._apply(release_consumer=jpb.ReleaseConsumer(
-                job_id=request.job_id, consumer_index=request.consumer_index, epoch=plan.epoch))
+            release = jpb.ReleaseConsumer(job_id=request.job_id, consumer_index=request.consumer_index,
+                                          closed=closed)
+            if plan is not None:
+                release.epoch = plan.epoch
+            self._apply(release_consumer=release)
         return dpb.ReleaseConsumerResponse()
 
     @servicer_method
@@ -313,9 +338,10 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                              uptime_s=now - self._started)
             for w in state.workers.values():
                 response.workers.add(worker_id=w.worker_id, address=w.address,
-                                     state="alive" if w.alive else "lost", splits_held=len(w.held),
+                                     state="alive" if w.alive else "left" if w.left else "lost",
+                                     splits_held=len(w.held),
                                      seconds_since_heartbeat=now - self._last_seen.get(w.worker_id, now),
-                                     load=self._loads.get(w.worker_id))
+                                     load=self._loads.get(w.worker_id) if w.alive else None)
             live: dict[int, list[bool]] = {job_id: [] for job_id in state.jobs}
             for split in state.splits.values():
                 live[split.job_id].append(split.worker_id is not None)
@@ -328,6 +354,6 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                   splits_unassigned=live[job.job_id].count(False),
                                   splits_assigned=live[job.job_id].count(True),
                                   consumers_active=sum(state.has_live_plan(job.job_id, c) for c in plans),
-                                  epochs=[plans[c].epoch if c in plans else 0
-                                          for c in range(job.definition.num_consumers)])
+                                  epochs=[job.epochs[c] for c in sorted(job.epochs)],
+                                  state=state.job_state(job.job_id))
         return response

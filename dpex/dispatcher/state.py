@@ -20,6 +20,7 @@ class Worker:
     worker_id: str
     address: str
     alive: bool = True
+    left: bool = False  # deregistered (drained), not lost
     held: set[int] = field(default_factory=set)  # assigned splits not yet delivered
 
 
@@ -60,6 +61,8 @@ class Job:
     definition: dpb.JobDef
     fingerprint: bytes
     plans: dict[int, Plan] = field(default_factory=dict)  # consumer -> newest plan
+    epochs: dict[int, int] = field(default_factory=dict)  # consumer -> newest epoch it planned
+    closed: set[int] = field(default_factory=set)         # consumers gone (closed or silent)
     batches_planned: int = 0
     batches_delivered: int = 0
 
@@ -96,6 +99,7 @@ class DispatcherState:
         worker = self.workers.get(u.worker_id)
         if worker is not None:
             self._lose(worker)
+            worker.left = u.left
 
     def _apply_create_job(self, u: jpb.CreateJob) -> None:
         definition = dpb.JobDef()
@@ -129,6 +133,8 @@ class DispatcherState:
             self.unassigned[u.job_id].add(split.split_id)
             plan.split_ids.append(split.split_id)
         job.plans[u.consumer_index] = plan
+        job.epochs[u.consumer_index] = u.epoch
+        job.closed.discard(u.consumer_index)
         job.batches_planned += plan.num_batches
         return plan
 
@@ -169,6 +175,8 @@ class DispatcherState:
         return newly
 
     def _apply_release_consumer(self, u: jpb.ReleaseConsumer) -> None:
+        if u.closed and u.job_id in self.jobs:
+            self.jobs[u.job_id].closed.add(u.consumer_index)
         plan = self.plan(u.job_id, u.consumer_index, u.epoch if u.HasField("epoch") else None)
         if plan is None:
             return  # with an epoch: a newer plan of the consumer's is not touched
@@ -222,6 +230,14 @@ class DispatcherState:
             if split is not None and split.worker_id is not None:
                 out.append((split, self.workers[split.worker_id]))
         return out
+
+    def job_state(self, job_id: int) -> str:
+        """"running" (a consumer mid-epoch), "idle" or "finished" (every consumer
+        that joined has closed or gone silent)."""
+        job = self.jobs[job_id]
+        if any(self.has_live_plan(job_id, c) for c in job.plans):
+            return "running"
+        return "finished" if job.epochs and set(job.epochs) <= job.closed else "idle"
 
     def has_live_plan(self, job_id: int, consumer_index: int) -> bool:
         """Whether the consumer's newest plan still has splits not delivered."""

@@ -81,6 +81,40 @@ class Slow(Squares):
         return super().__getitem__(i)
 
 
+class SlowWhile(Squares):
+    """Squares that take ``delay_s`` per sample while the file ``path`` exists."""
+
+    def __init__(self, n: int, path: str, delay_s: float = 0.5) -> None:
+        super().__init__(n)
+        self.path, self.delay_s = path, delay_s
+
+    def __getitem__(self, i: int) -> dict:
+        import os
+        import time
+        if os.path.exists(self.path):
+            time.sleep(self.delay_s)
+        return super().__getitem__(i)
+
+
+class FilesIn(Dataset):
+    """Sample i is the i-th file name under ``root`` (environment variables
+    expanded on the worker: one path, each node's own files). With
+    ``fingerprinted``, the dataset's fingerprint is a hash of its file list."""
+
+    def __init__(self, root: str, fingerprinted: bool = False) -> None:
+        import os
+        self.files = sorted(os.listdir(os.path.expandvars(root)))
+        if fingerprinted:
+            import hashlib
+            self.fingerprint = hashlib.sha256("\n".join(self.files).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.files[i].split(".")[0])
+
+
 class WorkerProbe(Dataset):
     """Each sample reports what torch's worker API says inside the worker."""
 

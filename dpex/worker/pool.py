@@ -18,6 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, NamedTuple
 
 from dpex.procutil import die_with_parent, map_big_buffers
+from dpex.dataset import describe_dataset
 from dpex.worker import handoff
 from dpex.worker.arena import Arena
 from dpex.worker.handoff import Handoff
@@ -54,6 +55,8 @@ class _Job(NamedTuple):
     batch_size: int
     drop_last: bool
     compression: str = ""
+    length: int = -1       # len(dataset); -1: no __len__
+    fingerprint: str = ""  # the dataset's own fingerprint, if it has one
 
 
 class _Context(NamedTuple):
@@ -100,9 +103,11 @@ def load_job(job_id: int, job_path: str) -> _Job:
     with open(job_path, "rb") as f:
         job = dpb.JobDef.FromString(f.read())
     spec = cloudpickle.loads(job.dataset)
-    _jobs[job_id] = _Job(spec.build(), cloudpickle.loads(job.collate) if job.collate else default_collate,
+    dataset = spec.build()
+    _jobs[job_id] = _Job(dataset, cloudpickle.loads(job.collate) if job.collate else default_collate,
                          cloudpickle.loads(job.worker_init_fn) if job.worker_init_fn else None,
-                         job.persistent_workers, job.batch_size, job.drop_last, job.compression)
+                         job.persistent_workers, job.batch_size, job.drop_last, job.compression,
+                         *describe_dataset(dataset))
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -178,6 +183,7 @@ def produce(task: Task) -> bytes | Handoff:
     stage, index = "build", -1
     try:
         job = load_job(task.job_id, task.job_path)
+        meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
         stage = "worker_init_fn"
         _enter(task.job_id, task.epoch, task.base_seed, job)
         stage, samples = "getitem", []
@@ -216,10 +222,9 @@ def inspect(job_id: int, job_path: str) -> bytes:
     from dpex.proto import worker_pb2 as wpb
     try:
         from torch.utils.data import IterableDataset
-        dataset = load_job(job_id, job_path).dataset
-        length = len(dataset) if hasattr(dataset, "__len__") else -1
-        return wpb.InspectResponse(length=length, iterable=isinstance(dataset, IterableDataset)
-                                   ).SerializeToString()
+        job = load_job(job_id, job_path)
+        return wpb.InspectResponse(length=job.length, iterable=isinstance(job.dataset, IterableDataset),
+                                   fingerprint=job.fingerprint).SerializeToString()
     except Exception as e:
         return wpb.InspectResponse(length=-1, error=remote_error(e, "build")).SerializeToString()
 
@@ -268,10 +273,15 @@ class BatchPool:
                 return self._executor.submit(fn, *args)
 
     def close(self) -> None:
+        """Kills the processes (a batch still running is abandoned: the
+        dispatcher has handed its split to another worker) and waits for them."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            for process in list(getattr(self._executor, "_processes", {}).values()):
+                if process.is_alive():
+                    process.terminate()
             self._executor.shutdown(wait=True, cancel_futures=True)
             handoff.remove_dir(self.handoff_dir)
 

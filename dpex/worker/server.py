@@ -146,9 +146,11 @@ class WorkerServer:
         while not self._stopping.wait(_SWEEP_EVERY_S):
             handoff.sweep_lent(self.pool.handoff_dir)
 
-    def close(self, grace_s: float = 2.0) -> None:
+    def close(self, grace_s: float | None = None) -> None:
         """Drains: deregisters (the dispatcher re-plans our splits and trainers
-        re-route), answers what is in flight for ``grace_s``, then stops."""
+        re-route), answers what is in flight for ``grace_s`` (default: the
+        config's drain timeout), then kills the batch processes and stops."""
+        grace_s = self.config.drain_timeout_s if grace_s is None else grace_s
         if self._closed:
             return
         self._closed = True

@@ -36,7 +36,7 @@ def test_status_shows_workers_and_delivered_batches(cluster):
         assert len(list(dl)) == 3
     out = run("dpex", "status", "--dispatcher", cluster.address)
     assert out.returncode == 0, out.stderr
-    assert "WORKERS (2 alive, 0 lost)" in out.stdout
+    assert "WORKERS (2 alive, 0 lost, 0 left)" in out.stdout
     got = tables(out.stdout)
     assert sorted(w["ADDRESS"] for w in got["WORKERS"]) == sorted(cluster.worker_addresses)
     assert {w["STATE"] for w in got["WORKERS"]} == {"alive"}
@@ -81,7 +81,7 @@ def test_dispatcher_reads_its_port_from_the_environment(tmp_path):
         wait_until(ready.exists, 30, "the dispatcher to serve")
         address = ready.read_text()
         assert address.startswith("127.0.0.1:") and address != "127.0.0.1:0"
-        assert "WORKERS (0 alive, 0 lost)" in run("dpex", "status", "--dispatcher", address).stdout
+        assert "WORKERS (0 alive, 0 lost, 0 left)" in run("dpex", "status", "--dispatcher", address).stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -96,3 +96,29 @@ def test_a_killed_worker_is_shown_as_lost():
             out = run("dpex", "status", "--dispatcher", c.address).stdout
             return next((l for l in out.splitlines() if victim.address in l and " lost " in l), None)
         wait_until(lost, 30, "the worker to be marked lost")
+
+
+def test_status_tells_epochs_drained_workers_and_live_jobs():
+    with test_cluster(num_workers=2) as c:
+        squares = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=12)
+        done = dpex.RemoteDataLoader(c.address, squares, batch_size=4, job_name="done", timeout=30)
+        for _ in range(3):  # epochs 0, 1, 2
+            assert len(list(done)) == 3
+        idle = dpex.RemoteDataLoader(c.address, squares, batch_size=4, job_name="idle", timeout=30)
+        assert len(list(idle)) == 3
+        running = dpex.RemoteDataLoader(c.address, squares, batch_size=1, job_name="running", timeout=30)
+        it = iter(running)
+        next(it)
+        done.close()
+        drained = c.kill_worker(0, signal.SIGTERM)
+        out = run("dpex", "status", "--dispatcher", c.address).stdout
+        got = tables(out)
+        assert "WORKERS (1 alive, 0 lost, 1 left)" in out and "JOBS (1 running, 1 idle, 1 finished)" in out
+        row = next(w for w in got["WORKERS"] if w["ADDRESS"] == drained.address)
+        assert (row["STATE"], row["BUSY"], row["RUNNING"]) == ("left", "-", "-")  # no stale load
+        jobs = {j["NAME"]: j for j in got["JOBS"]}
+        assert (jobs["done"]["STATE"], jobs["done"]["EPOCH"]) == ("finished", "2")
+        assert (jobs["idle"]["STATE"], jobs["idle"]["EPOCH"]) == ("idle", "0")
+        assert (jobs["running"]["STATE"], jobs["running"]["CONSUMERS"]) == ("running", "1 active / 1")
+        del it
+        running.close(), idle.close()

@@ -28,7 +28,7 @@ def test_restart_with_work_dir_completes_the_epoch_exactly_once(tmp_path):
                                  "--dispatcher", c.address], capture_output=True, text=True)
         job = next(j for j in status_tables(status.stdout)["JOBS"] if j["NAME"] == "survivor")
         assert job["PLANNED"] == job["DELIVERED"] == str(2 * len(EXPECTED))  # over both epochs
-        assert "WORKERS (2 alive, 0 lost)" in status.stdout
+        assert "WORKERS (2 alive, 0 lost, 0 left)" in status.stdout
 
 
 def test_restart_without_work_dir_fails_clearly(tmp_path):

@@ -1,11 +1,15 @@
 """Errors explain themselves: user-code exceptions, bad specs, bad arguments,
 unreachable peers. Never a hang: every loader here has a timeout, so a hang
 would fail as DpexTimeoutError instead of the expected error."""
+import os
+import re
+
 import pytest
 import torch
 from torch.utils.data import SequentialSampler
 
 import dpex
+from dpex.testing import test_cluster
 from dpex.testing.datasets import Squares
 
 
@@ -83,6 +87,45 @@ def test_bad_arguments(cluster, kwargs, message):
         dpex.RemoteDataLoader(**args)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(batch_size=-1), "batch_size should be a positive integer value, but got batch_size=-1"),
+    (dict(batch_size=0), "batch_size should be a positive integer value, but got batch_size=0"),
+    (dict(batch_size=2.5), "batch_size should be a positive integer value"),
+    (dict(batch_sampler=[[0, 1]], drop_last=True), "batch_sampler option is mutually exclusive"),
+    (dict(shuffle=True, sampler=[0, 1]), "sampler option is mutually exclusive with shuffle"),
+    (dict(address="http://127.0.0.1:7070"), "bad address 'http://127.0.0.1:7070'"),
+    (dict(address="127.0.0.1:99999"), "bad address"),
+    (dict(num_consumers=0), "num_consumers must be an integer >= 1"),
+    (dict(num_consumers=2, consumer_index=-1), "consumer_index must be in 0..1"),
+    (dict(num_workers=0), "num_workers must be >= 1"),
+    (dict(processes=0), "processes must be >= 1"),
+    (dict(timeout=0), "timeout must be > 0"),
+    (dict(connect_timeout=-1), "connect_timeout must be >= 0"),
+    (dict(compression="gzip"), "compression must be None, 'lz4' or 'zstd'"),
+    (dict(collate_fn=5), "collate_fn must be callable"),
+    (dict(worker_init_fn="init"), "worker_init_fn must be callable"),
+])
+@pytest.mark.parametrize("where", ["unreachable dispatcher", "embedded cluster"])
+def test_bad_arguments_are_refused_before_anything_starts(kwargs, message, where):
+    """Before any RPC (an unreachable dispatcher, retried for a minute, would
+    raise DpexConnectionError instead) and before any process starts."""
+    args = dict(address="127.0.0.1:1" if where == "unreachable dispatcher" else None,
+                dataset=spec("Squares"), connect_timeout=60)
+    args.update(kwargs)
+    children = children_of_this_process()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dpex.RemoteDataLoader(**args)
+    assert children_of_this_process() == children
+
+
+def children_of_this_process() -> set[int]:
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
 def test_torch_argument_checks_still_apply(cluster):
     with pytest.raises(ValueError, match="mutually exclusive"):
         dpex.RemoteDataLoader(cluster.address, spec("Squares"), shuffle=True,
@@ -107,6 +150,15 @@ def test_job_name_conflict(cluster):
         with pytest.raises(dpex.DpexConflictError, match="different num_consumers"):
             dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared",
                                   num_consumers=2)
+        # Every argument that changes batches or what workers do is part of the definition.
+        for kwargs, names in [(dict(batch_size=20), "batch_size"), (dict(drop_last=True), "drop_last"),
+                              (dict(persistent_workers=True), "persistent_workers"),
+                              (dict(worker_init_fn=print), "worker_init_fn"),
+                              (dict(collate_fn=list), "collate_fn"), (dict(compression="lz4"), "compression"),
+                              (dict(batch_size=3, drop_last=True), "batch_size, drop_last")]:
+            with pytest.raises(dpex.DpexConflictError, match=f"'shared' already exists with a different {names};"):
+                dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared", timeout=30,
+                                      **kwargs)
     finally:
         a.close()
 
@@ -139,3 +191,40 @@ def test_a_closed_loader_refuses_to_iterate(cluster):
     dl.close()  # idempotent
     with pytest.raises(dpex.DpexConfigError, match="closed"):
         iter(dl)
+
+
+def make_files(root, n):
+    root.mkdir()
+    for i in range(n):
+        (root / f"{i:04d}.txt").touch()
+
+
+@pytest.mark.parametrize("sizes,fingerprinted,late", [((50, 100), False, False), ((100, 50), False, False),
+                                                     ((60, 60), True, False), ((50, 100), False, True)])
+def test_workers_whose_data_disagree_fail_the_epoch_naming_both(tmp_path, sizes, fingerprinted, late):
+    make_files(tmp_path / "a", sizes[0])
+    make_files(tmp_path / "b", sizes[1])
+    if fingerprinted:  # same count, other files
+        (tmp_path / "b" / "0000.txt").rename(tmp_path / "b" / "9999.txt")
+    spec = dpex.DatasetSpec("dpex.testing.datasets:FilesIn", root="$NODE_DATA", fingerprinted=fingerprinted)
+    with test_cluster(num_workers=0) as c:
+        a, = c.add_workers(1, env={"NODE_DATA": str(tmp_path / "a")})
+        if not late:  # both there when the loader starts: it refuses at once
+            b, = c.add_workers(1, env={"NODE_DATA": str(tmp_path / "b")})
+            with pytest.raises(dpex.DpexConfigError, match="workers disagree about the dataset") as info:
+                dpex.RemoteDataLoader(c.address, spec, batch_size=10, timeout=60)
+        else:  # b joins mid-epoch: its first batch fails the epoch
+            with dpex.RemoteDataLoader(c.address, spec, batch_size=1, timeout=60) as dl:
+                it = iter(dl)
+                next(it)
+                b, = c.add_workers(1, env={"NODE_DATA": str(tmp_path / "b")})
+                with pytest.raises(dpex.DpexConfigError, match="workers disagree about the dataset") as info:
+                    for _ in it:
+                        pass
+    message = str(info.value)
+    assert a.address in message and b.address in message
+    if fingerprinted:
+        assert message.count("fingerprint '") == 2
+    else:
+        assert "50 samples" in message or "has 50" in message
+        assert "100" in message

@@ -77,7 +77,7 @@ def test_status_over_tls(tls_cluster, pki):
     env = {**os.environ, "DPEX_AUTH_TOKEN": TOKEN}
     out = subprocess.run([os.path.join(BIN, "dpex"), "status", "--dispatcher", tls_cluster.address,
                           "--tls-ca", pki[2]], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0 and "WORKERS (2 alive, 0 lost)" in out.stdout, out.stderr
+    assert out.returncode == 0 and "WORKERS (2 alive, 0 lost, 0 left)" in out.stdout, out.stderr
 
 
 def test_a_key_without_a_certificate_is_a_clear_error(pki):

@@ -1,0 +1,89 @@
+"""LoaderOptions: a loader's own settings, checked before any RPC or process starts."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.utils.data as tud
+
+from dpex.errors import DpexConfigError
+from dpex.rpc import check_address
+from dpex.wire.compression import check as check_compression
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise DpexConfigError(msg)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """What a RemoteDataLoader was asked for; defaults are the loader's."""
+    address: str | None = None           # the dispatcher's HOST:PORT; None: an embedded cluster
+    batch_size: int | None = 1           # None only with a batch_sampler
+    drop_last: bool = False
+    num_consumers: int = 1               # trainers (DDP ranks) sharing the job
+    consumer_index: int = 0
+    job_name: str | None = None          # None: a job of this loader's own (or the DDP run's)
+    ordered: bool = True
+    timeout_s: float | None = None       # longest wait for a batch; None: as long as it takes
+    window: int | None = None            # batches requested ahead; None: 4 per live worker
+    persistent_workers: bool = False
+    pin_memory: bool = False
+    pin_memory_device: str = ""          # "": the current accelerator
+    num_workers: int = 1                 # streams of an IterableDataset
+    processes: int | None = None         # an embedded cluster's worker processes; None: one per core
+    connect_timeout_s: float = 30.0      # how long an unreachable dispatcher is retried
+    shared_memory: bool = True
+    compression: str = ""                # "", "lz4" or "zstd"
+
+    def __post_init__(self) -> None:
+        if self.address is not None:
+            object.__setattr__(self, "address", check_address(self.address))
+        _check(self.batch_size is None or _is_int(self.batch_size),
+               f"batch_size should be a positive integer value, but got batch_size={self.batch_size!r}")
+        _check(_is_int(self.num_consumers) and self.num_consumers >= 1,
+               f"num_consumers must be an integer >= 1, got {self.num_consumers!r}")
+        _check(_is_int(self.consumer_index) and 0 <= self.consumer_index < self.num_consumers,
+               f"consumer_index must be in 0..{self.num_consumers - 1}, got {self.consumer_index!r}")
+        _check(self.job_name is None or isinstance(self.job_name, str), "job_name must be a string or None")
+        _check(self.timeout_s is None or (isinstance(self.timeout_s, numbers.Real) and self.timeout_s > 0),
+               "timeout must be > 0 seconds, or None to wait as long as it takes")
+        _check(self.window is None or (_is_int(self.window) and self.window >= 1), "window must be >= 1")
+        _check(_is_int(self.num_workers) and self.num_workers >= 1, "num_workers must be >= 1")
+        _check(self.processes is None or (_is_int(self.processes) and self.processes >= 1),
+               f"processes must be >= 1 or None (one per core), got {self.processes!r}")
+        _check(isinstance(self.connect_timeout_s, numbers.Real) and self.connect_timeout_s >= 0,
+               f"connect_timeout must be >= 0 seconds, got {self.connect_timeout_s!r}")
+        _check(isinstance(self.pin_memory_device, str), "pin_memory_device must be a string")
+        object.__setattr__(self, "compression", check_compression(self.compression))
+
+
+class _One(tud.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def check_sampling(batch_size: int | None, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool,
+                   generator: Any, collate_fn: Callable | None, worker_init_fn: Callable | None) -> None:
+    """torch's own checks of a DataLoader's sampling arguments, with torch's
+    messages, made on a stand-in dataset before anything is started."""
+    if batch_size is None and batch_sampler is None:
+        raise DpexConfigError("batch_size=None (no batching) is not supported; use batch_size=1")
+    for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+        _check(fn is None or callable(fn), f"{name} must be callable or None, got {type(fn).__name__}")
+    if sampler is not None and not isinstance(sampler, (tud.Sampler, list, tuple, range)) \
+            and not hasattr(sampler, "__iter__"):
+        raise DpexConfigError(f"sampler must be iterable, got {type(sampler).__name__}")
+    if batch_sampler is not None and not hasattr(batch_sampler, "__iter__"):
+        raise DpexConfigError(f"batch_sampler must be iterable, got {type(batch_sampler).__name__}")
+    tud.DataLoader(_One(), batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                   batch_sampler=batch_sampler, drop_last=drop_last, generator=generator)
