@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -14,7 +14,7 @@ from typing import Any
 
 from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
-from dpex.procutil import PARENT_ENV
+from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
 from dpex.worker import handoff
 
 
@@ -59,7 +59,8 @@ class LocalCluster:
     ``log_dir``. The keyword arguments are the daemons' flags; ``auth_token``
     travels in their environment, ``tls`` is (certificate, key, CA) files;
     ``metrics`` gives every daemon a Prometheus endpoint (``Daemon.metrics_url``);
-    ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them.
+    ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them;
+    ``drain_timeout_s`` is how long a worker answers in-flight calls when stopped.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
@@ -68,13 +69,15 @@ class LocalCluster:
                  consumer_timeout_s: float = 60.0, auth_token: str | None = None,
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
-                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 drain_timeout_s: float = 2.0) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
         self.host = host
         self._processes = processes
         self._hb = (heartbeat_interval_s, heartbeat_timeout_s)
         self._buffer_batches = buffer_batches
+        self._drain_timeout_s = drain_timeout_s
         self._start_timeout_s = start_timeout_s
         # The daemons set their parent-death signal themselves (dpex.procutil).
         self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
@@ -85,14 +88,13 @@ class LocalCluster:
         self._tls_ca_args = ["--tls-ca", tls[2]] if tls else []
         self._metrics_args = ["--metrics-port", "0"] if metrics else []
         self._worker_flags = list(worker_flags)
-        self._tmp = tempfile.TemporaryDirectory(prefix="dpex-cluster-")
-        self.log_dir = self._tmp.name
+        self.log_dir = temp_dir("cluster")  # named by pid: removed by a later cluster if we are killed
         self._lock = threading.Lock()
         self._count = 0
         self.workers: list[Daemon] = []
         self._dispatcher_box: list[Daemon | None] = [None]  # shared with the finalizer
         self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._lock, self.workers,
-                                           self._dispatcher_box, self._tmp)
+                                           self._dispatcher_box, self.log_dir)
         try:
             self._dispatcher_args = [
                 "dpex.cmd.dispatcher", "--host", host,
@@ -141,7 +143,8 @@ class LocalCluster:
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
                 "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
-                "--heartbeat-interval", str(self._hb[0]), *self._tls_args, *self._tls_ca_args,
+                "--heartbeat-interval", str(self._hb[0]), "--drain-timeout", str(self._drain_timeout_s),
+                *self._tls_args, *self._tls_ca_args,
                 *self._metrics_args, *self._worker_flags]
 
     def add_workers(self, n: int = 1, env: dict[str, str] | None = None) -> list[Daemon]:
@@ -199,7 +202,7 @@ class LocalCluster:
     # ---- lifetime -------------------------------------------------------------------
     @staticmethod
     def _close_all(lock: threading.Lock, workers: list[Daemon], dispatcher_box: list[Any],
-                   tmp: tempfile.TemporaryDirectory) -> None:
+                   log_dir: str) -> None:
         with lock:
             daemons = list(workers)
         for daemon in daemons:  # all at once, then wait for each
@@ -210,7 +213,8 @@ class LocalCluster:
         if dispatcher_box[0] is not None:
             _stop(dispatcher_box[0].process)
         handoff.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
-        tmp.cleanup()
+        remove_dead_temp_dirs("worker")
+        shutil.rmtree(log_dir, ignore_errors=True)
 
     def close(self) -> None:
         """Stops every daemon; safe to call more than once."""

@@ -3,10 +3,44 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shutil
 import signal
+import tempfile
 from typing import Any
 
 PARENT_ENV = "DPEX_PARENT_PID"
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a process killed an instant
+    ago may not have been reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def remove_dead_temp_dirs(kind: str) -> None:
+    """Removes ``dpex-KIND-PID-*`` directories in the temp directory whose
+    process is gone (killed before it could remove its own)."""
+    root = tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        match = re.fullmatch(rf"dpex-{kind}-(\d+)-.+", entry)
+        if match and not alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def temp_dir(kind: str) -> str:
+    """A new directory of this process in the temp directory, named after its
+    pid (``dpex-KIND-PID-…``); those of dead processes go first."""
+    remove_dead_temp_dirs(kind)
+    return tempfile.mkdtemp(prefix=f"dpex-{kind}-{os.getpid()}-")
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:

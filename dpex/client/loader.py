@@ -225,8 +225,9 @@ class RemoteDataLoader:
         try:
             if address is None:
                 from dpex.cluster import LocalCluster
+                # Nobody else uses it: its worker need not drain when the loader closes.
                 self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1,
-                                                 auth_token=token)
+                                                 auth_token=token, drain_timeout_s=0)
                 address = self._res.cluster.address
             self.address = address
             self._target = f"dispatcher {address}"

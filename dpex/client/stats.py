@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 INPUT_BOUND_WAIT_FRACTION = 0.1  # waiting more than this share of the time: data is the bottleneck
+MAX_SCALE_STEP = 4               # workers_needed is at most this many times the live workers
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class LoaderStats:
     ``elapsed_s`` counts time inside epochs only (from the first ``next()``
     of an epoch to its last batch); ``wait_s`` is the part of it the trainer
     spent blocked in ``next()``. ``workers_needed`` is how many workers of
-    the measured speed would keep the trainer from waiting.
+    the measured speed would keep the trainer from waiting, at most
+    4 times the live workers (a step to take and measure again); ``advice``
+    says why, in words.
     """
     batches: int
     bytes_received: int
@@ -28,6 +31,7 @@ class LoaderStats:
     input_bound: bool
     workers_alive: int
     workers_needed: int
+    advice: str = ""
 
 
 class StatsMeter:
@@ -61,11 +65,22 @@ class StatsMeter:
             alive = self.workers_alive
             # Workers deliver batches / elapsed; the trainer could take batches / computing.
             bound = fraction > INPUT_BOUND_WAIT_FRACTION
+            cap = MAX_SCALE_STEP * max(1, alive)
             needed = math.ceil(alive * elapsed / computing - 1e-9) if bound and computing > 0 else alive
+            if not bound:
+                advice = f"not input-bound: the trainer waited {100 * fraction:.0f}% of the time"
+            elif needed > cap:
+                advice = (f"input-bound, and the trainer does almost no work between batches "
+                          f"({computing:.2f}s of {elapsed:.2f}s): more workers help until the network or the "
+                          f"trainer's receiving is the limit; try {cap} ({MAX_SCALE_STEP}x) and measure again")
+                needed = cap
+            else:
+                advice = (f"input-bound: the trainer waited {100 * fraction:.0f}% of the time; {needed} workers "
+                          f"of the measured speed would keep up")
             result = LoaderStats(batches=batches, bytes_received=self._bytes, elapsed_s=elapsed, wait_s=wait,
                                  batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
                                  wait_fraction=fraction, input_bound=bound,
-                                 workers_alive=alive, workers_needed=needed)
+                                 workers_alive=alive, workers_needed=needed, advice=advice)
             if reset:
                 self._reset()
             return result

@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable
 
 from dpex.cluster import LocalCluster
+from dpex.procutil import alive
 
 
 def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> LocalCluster:
@@ -75,12 +76,4 @@ def descendants(pid: int) -> list[int]:
 
 def pids_alive(pids: list[int]) -> list[int]:
     """The pids that still run (zombies count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
+    return [pid for pid in pids if alive(pid)]

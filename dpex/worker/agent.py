@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import tempfile
 import threading
 from typing import Any
 
@@ -80,8 +81,9 @@ class DispatcherAgent:
         if os.path.exists(path):
             return
         job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id), timeout_s=30).job
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
+        # A file of this call's own: two trainers may ask about one job at once.
+        fd, tmp = tempfile.mkstemp(dir=self._job_dir, prefix=f"job-{job_id}-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
             f.write(job.SerializeToString())
         os.replace(tmp, path)
 
@@ -132,6 +134,7 @@ class DispatcherAgent:
         """Stops heartbeats; with ``deregister``, tells the dispatcher we leave
         so that it re-plans our splits now rather than at the heartbeat timeout."""
         self._stop.set()
+        self._room_freed()  # cuts a heartbeat's long poll short: no waiting out the interval
         if self._thread.is_alive():
             self._thread.join()
         if deregister and self.registered.is_set():

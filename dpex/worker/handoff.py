@@ -24,6 +24,8 @@ import shutil
 import weakref
 from typing import NamedTuple
 
+from dpex.procutil import alive
+
 SHM = "/dev/shm"
 MIN_BYTES = 1 << 20  # below this the pipe is as cheap
 SPARE = ".spare-"  # a file read and sent, kept for the next frame to overwrite
@@ -133,18 +135,8 @@ def sweep_lent(directory: str | None) -> None:
         return
     for name in names:
         pid = name.removeprefix(LENT).split("-", 1)[0]
-        if name.startswith(LENT) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(LENT) and pid.isdigit() and not alive(int(pid)):
             _unlink(os.path.join(directory, name))
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a trainer or daemon killed
-    an instant ago may not have been reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def usage(directory: str | None) -> dict[str, int]:
@@ -173,7 +165,7 @@ def remove_dead_dirs() -> None:
         return
     for entry in entries:
         pid = _daemon_pid(entry)
-        if pid is not None and not _alive(int(pid)):
+        if pid is not None and not alive(int(pid)):
             shutil.rmtree(os.path.join(SHM, entry), ignore_errors=True)
 
 

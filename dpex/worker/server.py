@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import shutil
 import socket
-import tempfile
 import threading
 from concurrent import futures
 
@@ -16,6 +16,7 @@ from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, load_metrics
+from dpex.procutil import temp_dir
 from dpex.rpc import add_health, listen, server_interceptors, server_options
 from dpex.worker import handoff
 from dpex.worker.agent import DispatcherAgent
@@ -73,7 +74,7 @@ class WorkerServer:
         port = listen(self._server, f"{config.host}:{config.port}",
                       server_credentials(config.tls_cert_file, config.tls_key_file))
         self.address = f"{advertised_host(config)}:{port}"
-        self._job_dir = tempfile.TemporaryDirectory(prefix="dpex-worker-")
+        self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
         self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
                               handoff_min_bytes=config.shm_min_bytes)
         self.agent: DispatcherAgent | None = None
@@ -93,7 +94,7 @@ class WorkerServer:
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
-            self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir.name)
+            self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir)
             self.agent.start()
             self._stopping = threading.Event()
             self._janitor = threading.Thread(target=self._sweep, name="dpex-shm-janitor", daemon=True)
@@ -169,4 +170,4 @@ class WorkerServer:
         if hasattr(self, "scheduler"):
             self.scheduler.close()
         self.pool.close()
-        self._job_dir.cleanup()
+        shutil.rmtree(self._job_dir, ignore_errors=True)

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
-from dpex.wire import build_frame, encode_parts, frame_parts, parse_frame
+from dpex.wire import build_frame, frame_parts, parse_frame
+from dpex import wire
 from dpex.worker import pool
 from dpex.log import fields
 
@@ -65,7 +66,7 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
             stage = "collate"
             collated = pool.collate(job, batch)
             stage = "encode"
-            frame = b"".join(frame_parts(_meta(split, j), encode_parts(collated)))
+            frame = b"".join(frame_parts(_meta(split, j), wire.encode_parts(collated)))
             if not send(frame):
                 return
             j += 1

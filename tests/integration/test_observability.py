@@ -95,11 +95,16 @@ def test_loader_stats_tell_an_input_bound_trainer_from_a_compute_bound_one():
             fast = dl.stats(reset=True)
             for _ in dl:
                 time.sleep(0.1)    # the trainer is the bottleneck: batches are ready when asked for
-            slow = dl.stats()
+            slow = dl.stats(reset=True)
+            for _ in dl:
+                pass               # no work at all: any number of workers would be waited for
+            idle = dl.stats()
     assert fast.batches == slow.batches == 20 and fast.bytes_received > 0
     assert fast.input_bound and fast.wait_fraction > 0.5 and fast.workers_needed >= 3
+    assert fast.workers_needed <= 4 and "input-bound" in fast.advice  # a step of at most 4x, then measure
+    assert idle.input_bound and idle.workers_needed == 4 and "almost no work" in idle.advice
     assert fast.workers_alive == 1 and 0 < fast.batches_per_s < 40
-    assert not slow.input_bound and slow.workers_needed == 1
+    assert not slow.input_bound and slow.workers_needed == 1 and "not input-bound" in slow.advice
     assert slow.elapsed_s >= 19 * 0.1 and slow.wait_s < slow.elapsed_s / 2
 
 

@@ -1,5 +1,4 @@
 """A worker lost mid-epoch: every planned batch still arrives exactly once, in order."""
-import os
 import signal
 import time
 
@@ -11,7 +10,7 @@ import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import channel
-from dpex.testing import test_cluster, wait_until
+from dpex.testing import descendants, pids_alive, test_cluster, wait_until
 
 N, B = 240, 4
 EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
@@ -90,38 +89,24 @@ def test_sigterm_exits_within_the_drain_timeout_while_a_batch_is_running(tmp_pat
         with dpex.RemoteDataLoader(c.address, spec, batch_size=50, timeout=60) as dl:
             it = iter(dl)  # the plan is submitted: both workers start a 25 s batch
 
-            def running(address):
+            def running():  # the index of a worker running a batch (one may hold both splits)
                 with channel(c.address) as ch:
                     status = dgrpc.DispatcherStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=5)
-                return any(w.address == address and w.load.running_batches for w in status.workers)
-            victim = c.workers[0]
-            wait_until(lambda: running(victim.address), 30, "the worker to run a batch")
-            pids = children(victim.process.pid)
+                busy = {w.address for w in status.workers if w.load.running_batches}
+                return next((i + 1 for i, w in enumerate(c.workers) if w.address in busy), None)
+            index = wait_until(running, 60, "a worker to run a batch") - 1
+            victim = c.workers[index]
+            pids = descendants(victim.process.pid)
             start = time.monotonic()
-            c.kill_worker(0, signal.SIGTERM)
+            c.kill_worker(index, signal.SIGTERM)
             took = time.monotonic() - start
             assert victim.process.returncode == 0
             assert took < 1 + 2.5, f"drained in {took:.1f}s"  # --drain-timeout 1; the batch needed 25 s
-            assert pids and not [p for p in pids if running_pid(p)]  # its processes are gone
+            # Its batch processes are gone (multiprocessing's resource tracker exits right after it).
+            assert pids and wait_until(lambda: pids_alive(pids) == [], 10, "the worker's processes to exit")
             slow.unlink()  # from now on batches are quick
             got = [batch["y"].tolist() for batch in it]
         assert got == [list(range(i, i + 50)) for i in range(0, 200, 50)]
-
-
-def running_pid(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
 
 
 def test_a_lost_workers_split_names_what_was_delivered_to_its_new_owner():

@@ -1,0 +1,27 @@
+"""What the whole suite checks once: it leaves nothing behind."""
+import os
+import tempfile
+
+import pytest
+
+from dpex.testing import wait_until
+
+
+def leftovers() -> set[str]:
+    """Dpex's directories in the temp directory and /dev/shm."""
+    found = set()
+    for root in (tempfile.gettempdir(), "/dev/shm"):
+        if os.path.isdir(root):
+            found |= {os.path.join(root, e) for e in os.listdir(root) if e.startswith("dpex-")}
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    before = leftovers()
+    yield
+    # Daemons stopped by the last tests may still be exiting: wait, then name what stayed.
+    try:
+        wait_until(lambda: not (leftovers() - before), 20, "dpex directories to be removed")
+    except TimeoutError:
+        pytest.fail(f"the tests left behind: {sorted(leftovers() - before)}")
