@@ -56,16 +56,17 @@ def timed(fn) -> float:
     return time.monotonic() - start
 
 
-def embedded(num_workers: int) -> tuple[float, float, float]:
-    """(build + first batch, close, torch's first batch) for one run."""
+def embedded(num_workers: int) -> tuple[float, float, float, float]:
+    """(built, built + first batch, close, torch's first batch) for one run."""
     start = time.monotonic()
     loader = dpex.DpexDataLoader(Squares(64), distribute_mode=True, batch_size=8, num_workers=num_workers)
+    built = time.monotonic() - start
     next(iter(loader))
     started = time.monotonic() - start
     closed = timed(loader.close)
     torch_loader = DataLoader(Squares(64), batch_size=8, num_workers=num_workers)
     first_torch = timed(lambda: next(iter(torch_loader)))
-    return started, closed, first_torch
+    return built, started, closed, first_torch
 
 
 def trainer(how: str) -> float:
@@ -88,12 +89,13 @@ def drain() -> float:
         with dpex.RemoteDataLoader(c.address, spec, batch_size=50, timeout=120) as loader:
             it = iter(loader)
 
-            def running() -> bool:
+            def running() -> int | None:  # 1 + the index of a worker running a batch
                 with channel(c.address) as ch:
                     status = dgrpc.DispatcherStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=5)
-                return any(w.address == c.workers[0].address and w.load.running_batches for w in status.workers)
-            wait_until(running, 60, "a running batch")
-            took = timed(lambda: c.kill_worker(0, signal.SIGTERM))
+                busy = {w.address for w in status.workers if w.load.running_batches}
+                return next((i + 1 for i, w in enumerate(c.workers) if w.address in busy), None)
+            index = wait_until(running, 60, "a running batch") - 1
+            took = timed(lambda: c.kill_worker(index, signal.SIGTERM))
             os.unlink(flag)
             list(it)
         return took
@@ -127,9 +129,10 @@ def main() -> None:
     print(f"{os.cpu_count()} cores; {args.runs} runs each")
     for n in (1, 10):
         runs = [embedded(n) for _ in range(args.runs)]
-        show(f"embedded cluster, num_workers={n}: built + first batch", [r[0] for r in runs],
-             f"(torch DataLoader first batch: {statistics.median(r[2] for r in runs):.2f} s)")
-        show(f"embedded cluster, num_workers={n}: close()", [r[1] for r in runs])
+        show(f"embedded cluster, num_workers={n}: loader built", [r[0] for r in runs])
+        show(f"embedded cluster, num_workers={n}: built + first batch", [r[1] for r in runs],
+             f"(torch DataLoader first batch: {statistics.median(r[3] for r in runs):.2f} s)")
+        show(f"embedded cluster, num_workers={n}: close()", [r[2] for r in runs])
     show("trainer exits without close()", [trainer("exit") for _ in range(args.runs)])
     show("trainer mid-epoch: Ctrl-C to exit", [trainer("sigint") for _ in range(args.runs)])
     show("worker SIGTERM with a 25 s batch running (drain 2 s)", [drain() for _ in range(args.runs)])
