@@ -8,12 +8,11 @@ from dpex.testing import wait_until
 
 
 def leftovers() -> set[str]:
-    """Dpex's directories in the temp directory and /dev/shm, and the named
-    semaphores of multiprocessing there (a worker's batch pool makes some)."""
+    """Dpex's directories in the temp directory and /dev/shm."""
     found = set()
-    for root, prefixes in ((tempfile.gettempdir(), ("dpex-",)), ("/dev/shm", ("dpex-", "sem.mp-"))):
+    for root in (tempfile.gettempdir(), "/dev/shm"):
         if os.path.isdir(root):
-            found |= {os.path.join(root, e) for e in os.listdir(root) if e.startswith(prefixes)}
+            found |= {os.path.join(root, e) for e in os.listdir(root) if e.startswith("dpex-")}
     return found
 
 
