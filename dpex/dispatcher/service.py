@@ -12,6 +12,7 @@ import grpc
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.journal import Journal
+from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
@@ -62,9 +63,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._config = config
         self._state = DispatcherState()
         self._cond = threading.Condition()
-        self._last_seen: dict[str, float] = {}
-        self._consumer_seen: dict[tuple[int, int], float] = {}  # (job, consumer) -> last sync
-        self._loads: dict[str, dpb.WorkerLoad] = {}  # worker id -> its last reported load
+        self._seen = Liveness()
         self._started = time.monotonic()
         self._journal = Journal(config.work_dir) if config.work_dir else None
         if self._journal is not None:
@@ -73,9 +72,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._state.apply(update)
                 count += 1
             # Replayed workers get a whole timeout to heartbeat again.
-            now = time.monotonic()
-            self._last_seen = {w.worker_id: now for w in self._state.alive_workers()}
-            self._consumer_seen = {(job.job_id, c): now for job in self._state.jobs.values() for c in job.plans}
+            for w in self._state.workers.values():
+                self._seen.worker(w.worker_id) if w.alive else self._seen.lost(w.worker_id)
+            for job in self._state.jobs.values():
+                self._seen.job(job.job_id)
+                for c in job.plans:
+                    self._seen.consumer(job.job_id, c)
             log.info("replayed %d journal records from %s: %d workers, %d jobs", count,
                      self._journal.path, len(self._state.alive_workers()), len(self._state.jobs))
         self._stop = threading.Event()
@@ -105,25 +107,23 @@ class DispatcherService(dgrpc.DispatcherServicer):
         """Marks silent workers lost and releases silent consumers."""
         period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4)
         while not self._stop.wait(period):
-            now = time.monotonic()
             with self._cond:
-                for worker in self._state.alive_workers():
-                    seen = self._last_seen.get(worker.worker_id, now)
-                    if now - seen > self._config.heartbeat_timeout_s:
-                        log.warning("worker missed its heartbeat timeout (%.1fs); marking it lost",
-                                    self._config.heartbeat_timeout_s,
-                                    extra=fields(worker_id=worker.worker_id, address=worker.address,
-                                                 splits_replanned=len(worker.held)))
-                        self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
-                for (job_id, consumer), seen in list(self._consumer_seen.items()):
-                    if now - seen > self._config.consumer_timeout_s:
-                        del self._consumer_seen[(job_id, consumer)]
-                        if self._state.has_live_plan(job_id, consumer):
-                            log.warning("consumer has not synced for %.0fs; releasing its plan (its "
-                                        "workers drop what they hold for it)", self._config.consumer_timeout_s,
-                                        extra=fields(job_id=job_id, consumer=consumer))
-                            self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
-                                                                             consumer_index=consumer, closed=True))
+                alive = [w.worker_id for w in self._state.alive_workers()]
+                for worker_id in self._seen.silent_workers(alive, self._config.heartbeat_timeout_s):
+                    worker = self._state.workers[worker_id]
+                    log.warning("worker missed its heartbeat timeout (%.1fs); marking it lost",
+                                self._config.heartbeat_timeout_s,
+                                extra=fields(worker_id=worker.worker_id, address=worker.address,
+                                             splits_replanned=len(worker.held)))
+                    self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
+                    self._seen.lost(worker.worker_id)
+                for job_id, consumer in self._seen.silent_consumers(self._config.consumer_timeout_s):
+                    if self._state.has_live_plan(job_id, consumer):
+                        log.warning("consumer has not synced for %.0fs; releasing its plan (its "
+                                    "workers drop what they hold for it)", self._config.consumer_timeout_s,
+                                    extra=fields(job_id=job_id, consumer=consumer))
+                        self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
+                                                                         consumer_index=consumer, closed=True))
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
@@ -133,9 +133,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
         worker_id = "w-" + secrets.token_hex(4)
         with self._cond:
             self._apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
-            self._last_seen[worker_id] = time.monotonic()
-            for gone in set(self._loads) - set(self._state.workers):  # replaced on this address
-                del self._loads[gone]
+            self._seen.worker(worker_id)
+            for gone in set(self._seen.loads) - set(self._state.workers):  # replaced on this address
+                self._seen.forget_worker(gone)
         log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address))
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
@@ -148,8 +148,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             worker = self._state.workers.get(request.worker_id)
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
-            self._last_seen[worker.worker_id] = time.monotonic()
-            self._loads[worker.worker_id] = request.load
+            self._seen.worker(worker.worker_id, request.load)
             # Long-poll: answer as soon as there is work, so a plan starts within
             # milliseconds, or splits to drop (a trainer left its epoch: the
             # worker frees what it holds for it now). Every split assigned to the
@@ -172,7 +171,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                     first_seq=split.first_seq, batches=split.batches,
                                     base_seed=split.base_seed, num_streams=split.num_streams,
                                     delivered_seqs=sorted(split.delivered))
-            self._last_seen[worker.worker_id] = time.monotonic()
+            self._seen.worker(worker.worker_id)
         return response
 
     @servicer_method
@@ -184,7 +183,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                          extra=fields(worker_id=worker.worker_id, address=worker.address,
                                       splits_replanned=len(worker.held)))
                 self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id, left=True))
-                self._loads.pop(worker.worker_id, None)
+                self._seen.lost(worker.worker_id)
         return dpb.DeregisterWorkerResponse()
 
     # ---- jobs and plans -----------------------------------------------------
@@ -253,7 +252,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         f"consumer {request.consumer_index} planned {len(request.batches)} batches for "
                         f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
                         "every consumer must get the same number of batches (DDP ranks would hang)")
-            self._consumer_seen[(request.job_id, request.consumer_index)] = time.monotonic()
+            self._seen.consumer(request.job_id, request.consumer_index)
             same = self._state.plan(request.job_id, request.consumer_index, request.epoch)
             if same is not None and same.plan_hash == digest:  # a reconnect: nothing changes
                 return dpb.SubmitPlanResponse(num_batches=same.num_batches, num_delivered=same.num_delivered)
@@ -276,7 +275,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 raise DpexNotFoundError(
                     f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                     f"epoch {request.epoch} (another trainer may have replaced it)")
-            self._consumer_seen[(request.job_id, request.consumer_index)] = time.monotonic()
+            self._seen.consumer(request.job_id, request.consumer_index)
             if request.delivered_seqs:
                 self._apply(mark_delivered=jpb.MarkDelivered(
                     job_id=request.job_id, consumer_index=request.consumer_index,
@@ -316,7 +315,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             job = self._state.jobs.get(request.job_id)
             if plan is None and not (closed and job is not None and request.consumer_index in job.epochs):
                 return dpb.ReleaseConsumerResponse()  # nothing, or a newer epoch: keep it
-            self._consumer_seen.pop((request.job_id, request.consumer_index), None)
+            self._seen.forget_consumer(request.job_id, request.consumer_index)
             release = jpb.ReleaseConsumer(job_id=request.job_id, consumer_index=request.consumer_index,
                                           closed=closed)
             if plan is not None:
@@ -340,8 +339,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 response.workers.add(worker_id=w.worker_id, address=w.address,
                                      state="alive" if w.alive else "left" if w.left else "lost",
                                      splits_held=len(w.held),
-                                     seconds_since_heartbeat=now - self._last_seen.get(w.worker_id, now),
-                                     load=self._loads.get(w.worker_id) if w.alive else None)
+                                     seconds_since_heartbeat=self._seen.since_heartbeat(w.worker_id),
+                                     load=self._seen.loads.get(w.worker_id) if w.alive else None)
             live: dict[int, list[bool]] = {job_id: [] for job_id in state.jobs}
             for split in state.splits.values():
                 live[split.job_id].append(split.worker_id is not None)

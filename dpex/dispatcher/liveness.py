@@ -1,0 +1,74 @@
+"""When the dispatcher last heard from each worker, consumer and job, and
+what has gone silent. Clock time lives here, not in the pure state machine."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from dpex.proto import dispatcher_pb2 as dpb
+
+
+class Liveness:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._workers: dict[str, float] = {}                 # worker id -> last heartbeat
+        self._lost: dict[str, float] = {}                    # worker id -> when it was lost or left
+        self._consumers: dict[tuple[int, int], float] = {}   # (job, consumer) -> last sync
+        self._jobs: dict[int, float] = {}                    # job id -> last call about it
+        self.loads: dict[str, dpb.WorkerLoad] = {}           # worker id -> its last reported load
+
+    # ---- heard from ----------------------------------------------------------
+    def worker(self, worker_id: str, load: dpb.WorkerLoad | None = None) -> None:
+        self._workers[worker_id] = self.clock()
+        self._lost.pop(worker_id, None)
+        if load is not None:
+            self.loads[worker_id] = load
+
+    def consumer(self, job_id: int, consumer: int) -> None:
+        self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
+
+    def job(self, job_id: int) -> None:
+        self._jobs[job_id] = self.clock()
+
+    # ---- gone ------------------------------------------------------------------
+    def lost(self, worker_id: str) -> None:
+        """The worker is lost or left: no load shown, forgotten after a grace period."""
+        self.loads.pop(worker_id, None)
+        self._lost[worker_id] = self.clock()
+
+    def forget_consumer(self, job_id: int, consumer: int) -> None:
+        self._consumers.pop((job_id, consumer), None)
+
+    def forget_worker(self, worker_id: str) -> None:
+        for table in (self._workers, self._lost, self.loads):
+            table.pop(worker_id, None)
+
+    def forget_job(self, job_id: int) -> None:
+        self._jobs.pop(job_id, None)
+        for key in [k for k in self._consumers if k[0] == job_id]:
+            del self._consumers[key]
+
+    # ---- what has gone silent -----------------------------------------------------
+    def since_heartbeat(self, worker_id: str) -> float:
+        return self.clock() - self._workers.get(worker_id, self.clock())
+
+    def silent_workers(self, alive: Iterable[str], timeout_s: float) -> list[str]:
+        now = self.clock()
+        return [w for w in alive if now - self._workers.get(w, now) > timeout_s]
+
+    def silent_consumers(self, timeout_s: float) -> list[tuple[int, int]]:
+        """Consumers silent for ``timeout_s``; each is reported once."""
+        now = self.clock()
+        silent = [key for key, seen in self._consumers.items() if now - seen > timeout_s]
+        for key in silent:
+            del self._consumers[key]
+        return silent
+
+    def lost_for(self, timeout_s: float) -> list[str]:
+        now = self.clock()
+        return [w for w, since in self._lost.items() if now - since > timeout_s]
+
+    def idle_jobs(self, job_ids: Iterable[int], timeout_s: float) -> list[int]:
+        """Jobs nobody called about for ``timeout_s`` (a job never heard of counts from now)."""
+        now = self.clock()
+        return [j for j in job_ids if now - self._jobs.setdefault(j, now) > timeout_s]
