@@ -29,8 +29,12 @@ class DispatcherConfig:
     max_message_bytes: int = 256 << 20   # largest request taken (a plan is one message)
     max_plan_batches: int = 10_000_000   # largest epoch plan taken, in batches
     metrics_port: int | None = None      # Prometheus endpoint; None: none, 0: a free port
+    job_gc_timeout_s: float = 300.0      # a job without consumers this long is removed; 0: never
+    worker_gc_timeout_s: float = 600.0   # a lost or left worker is forgotten after this; 0: never
 
     def __post_init__(self) -> None:
+        _check(self.job_gc_timeout_s >= 0 and self.worker_gc_timeout_s >= 0,
+               "job_gc_timeout_s and worker_gc_timeout_s must be >= 0 (0: never)")
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
         _check(1 << 10 <= self.max_message_bytes <= MAX_MESSAGE_BYTES,

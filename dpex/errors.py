@@ -3,6 +3,9 @@ in dpex/rpc.py, so that this module (and dpex.wire) stays free of grpc."""
 from __future__ import annotations
 
 
+JOB_COLLECTED = "was collected"  # in the dispatcher's NOT_FOUND for a garbage-collected job
+
+
 class DpexError(Exception):
     """Base class of every error Dpex raises on purpose."""
 

@@ -87,6 +87,10 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     assigned.add_metric([], status.splits_assigned_total)
     reassigned = _counter("dpex_splits_reassigned", "Splits taken back from lost or leaving workers.")
     reassigned.add_metric([], status.splits_reassigned_total)
+    collected = _counter("dpex_jobs_collected", "Jobs removed after --job-gc-timeout without consumers.")
+    collected.add_metric([], status.jobs_collected_total)
+    forgotten = _counter("dpex_workers_forgotten", "Lost or left workers forgotten after --worker-gc-timeout.")
+    forgotten.add_metric([], status.workers_forgotten_total)
     job_labels = ["job_id", "job_name"]
     planned = _counter("dpex_job_batches_planned", "Batches planned by the job's trainers.", job_labels)
     delivered = _counter("dpex_job_batches_delivered", "Batches trainers acknowledged.", job_labels)
@@ -106,4 +110,4 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, assigned, reassigned, planned, delivered, pending, consumers, heartbeat, *loads]
+    return [workers, jobs, assigned, reassigned, collected, forgotten, planned, delivered, pending, consumers, heartbeat, *loads]

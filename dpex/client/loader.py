@@ -26,7 +26,8 @@ from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec, describe_dataset
-from dpex.errors import DpexConfigError, DpexConnectionError, DpexError, DpexWorkerError
+from dpex.errors import (JOB_COLLECTED, DpexConfigError, DpexConnectionError, DpexError, DpexNotFoundError,
+                         DpexWorkerError)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
@@ -238,12 +239,8 @@ class RemoteDataLoader:
                     f"the dataset instance is shipped to every worker by value and pickles to "
                     f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
                     "so that workers build it from their own local files", stacklevel=2)
-            self.job_id = job_id = self._call(stub.GetOrCreateJob, dpb.GetOrCreateJobRequest(
-                job=job, settings_only=derived_name)).job_id
-            target = self._target  # the lambda must not hold the loader: it runs at its collection
-            self._res.release = lambda: call(
-                stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
-                target=target, timeout_s=5)
+            self._job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
+            self._create_job()
             if self._instance is not None:
                 self._iterable = isinstance(dataset, tud.IterableDataset)
                 length, fingerprint = describe_dataset(dataset)
@@ -308,9 +305,17 @@ class RemoteDataLoader:
             plan, streams = [dpb.IndexBatch(indices=b) for b in indices], 0
         epoch = self._epoch_counter
         self._epoch_counter += 1
-        self._call(self._res.stub.SubmitPlan, dpb.SubmitPlanRequest(
-            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, batches=plan,
-            base_seed=base_seed, num_streams=streams))
+        submit = dpb.SubmitPlanRequest(job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch,
+                                       batches=plan, base_seed=base_seed, num_streams=streams)
+        try:
+            self._call(self._res.stub.SubmitPlan, submit)
+        except DpexNotFoundError as e:
+            if JOB_COLLECTED not in str(e):
+                raise
+            log.warning("%s; making it again", e)  # the definition is ours: nothing is lost
+            self._create_job()
+            submit.job_id = self.job_id
+            self._call(self._res.stub.SubmitPlan, submit)
         stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
             job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch)
         fetcher = EpochFetcher(
@@ -343,6 +348,15 @@ class RemoteDataLoader:
     def _call(self, method: Any, request: Any) -> Any:
         return call(method, request, target=self._target, timeout_s=60,
                     retry_for_s=self._connect_timeout, outage=self._outage)
+
+    def _create_job(self) -> None:
+        """Gets or creates the job (again, if the dispatcher collected it)."""
+        stub, consumer_index = self._res.stub, self.consumer_index
+        self.job_id = job_id = self._call(stub.GetOrCreateJob, self._job_request).job_id
+        target = self._target  # the lambda must not hold the loader: it runs at its collection
+        self._res.release = lambda: call(
+            stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
+            target=target, timeout_s=5)
 
     def _inspect_one(self, address: str) -> wpb.InspectResponse | None:
         try:

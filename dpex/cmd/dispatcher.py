@@ -25,6 +25,11 @@ from dpex.errors import DpexError
 @click.option("--consumer-timeout", type=float, default=60.0, envvar="DPEX_CONSUMER_TIMEOUT",
               show_envvar=True, help="Seconds without news from a trainer mid-epoch after which its plan "
               "is released and workers free what they hold for it.")
+@click.option("--job-gc-timeout", type=float, default=300.0, envvar="DPEX_JOB_GC_TIMEOUT", show_envvar=True,
+              help="Seconds a job may go without any call from its trainers before it is removed, with its "
+              "splits and the workers' batches for it (0: never). A trainer that comes back gets a fresh job.")
+@click.option("--worker-gc-timeout", type=float, default=600.0, envvar="DPEX_WORKER_GC_TIMEOUT",
+              show_envvar=True, help="Seconds after which a lost or drained worker is forgotten (0: never).")
 @click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
 @message_limit_option(256, "Largest request taken, in MiB (an epoch plan is one request).")
@@ -35,7 +40,8 @@ from dpex.errors import DpexError
 @auth_options
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
-         heartbeat_timeout: float, consumer_timeout: float, split_size: int, max_message_mb: float,
+         heartbeat_timeout: float, consumer_timeout: float, job_gc_timeout: float, worker_gc_timeout: float,
+         split_size: int, max_message_mb: float,
          max_plan_batches: int, metrics_port: int | None, log_level: str, log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool, tls_cert: str | None,
          tls_key: str | None, ready_file: str | None) -> None:
@@ -55,6 +61,7 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
         config = DispatcherConfig(host=host, port=port, heartbeat_interval_s=heartbeat_interval,
                                   heartbeat_timeout_s=heartbeat_timeout, split_size_batches=split_size,
                                   work_dir=work_dir, consumer_timeout_s=consumer_timeout,
+                                  job_gc_timeout_s=job_gc_timeout, worker_gc_timeout_s=worker_gc_timeout,
                                   auth_token=load_token(auth_token_file),
                                   allow_unauthenticated=allow_unauthenticated,
                                   tls_cert_file=tls_cert, tls_key_file=tls_key,

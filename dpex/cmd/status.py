@@ -25,7 +25,8 @@ def _age(seconds: float) -> str:
 def render(status) -> str:
     count = {s: sum(w.state == s for w in status.workers) for s in ("alive", "lost", "left")}
     lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
-             f"taken back from lost workers {status.splits_reassigned_total}", "",
+             f"taken back from lost workers {status.splits_reassigned_total}; collected: "
+             f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers", "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
              "PRODUCED", "SENT", "SENT BYTES", "HEARTBEAT")]

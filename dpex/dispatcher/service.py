@@ -16,7 +16,7 @@ from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
-from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.errors import JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import journal_pb2 as jpb
@@ -124,6 +124,24 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                     extra=fields(job_id=job_id, consumer=consumer))
                         self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
                                                                          consumer_index=consumer, closed=True))
+                self._collect()
+
+    def _collect(self) -> None:
+        """Garbage collection; the caller holds self._cond."""
+        config = self._config
+        if config.worker_gc_timeout_s:
+            for worker_id in self._seen.lost_for(config.worker_gc_timeout_s):
+                log.info("forgetting a worker gone for %.0fs", config.worker_gc_timeout_s,
+                         extra=fields(worker_id=worker_id))
+                self._apply(forget_worker=jpb.ForgetWorker(worker_id=worker_id))
+                self._seen.forget_worker(worker_id)
+        if config.job_gc_timeout_s:
+            idle = [j for j in self._state.jobs if self._state.job_state(j) != "running"]
+            for job_id in self._seen.idle_jobs(idle, config.job_gc_timeout_s):
+                log.info("removing a job without consumers for %.0fs", config.job_gc_timeout_s,
+                         extra=fields(job_id=job_id, job_name=self._state.jobs[job_id].definition.name))
+                self._apply(remove_job=jpb.RemoveJob(job_id=job_id))
+                self._seen.forget_job(job_id)
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
@@ -213,15 +231,22 @@ class DispatcherService(dgrpc.DispatcherServicer):
                     raise DpexConflictError(
                         f"job {job.name!r} already exists with a different {', '.join(differ)}; "
                         f"use another job_name or the same arguments{hint}")
+                self._seen.job(existing.job_id)
                 return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
             job_id = secrets.randbits(63)
             self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job, fingerprint=fingerprint))
+            self._seen.job(job_id)
         log.info("job created", extra=fields(job_id=job_id, job_name=job.name,
                                              consumers=job.num_consumers, peer=context.peer()))
         return dpb.GetOrCreateJobResponse(job_id=job_id, created=True)
 
     def _job(self, job_id: int):
         job = self._state.jobs.get(job_id)
+        if job is None and job_id in self._state.collected:
+            name = self._state.collected[job_id]
+            raise DpexNotFoundError(
+                f"job {job_id}{f' ({name!r})' if name else ''} {JOB_COLLECTED}: no call from its trainers "
+                f"for --job-gc-timeout {self._config.job_gc_timeout_s:g}s; a new loader makes a fresh job")
         if job is None:
             hint = "" if self._journal else " (a dispatcher restarted without --work-dir forgets its jobs)"
             raise DpexNotFoundError(f"unknown job {job_id}{hint}")
@@ -334,7 +359,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
         with self._cond:
             response = dpb.GetStatusResponse(splits_assigned_total=state.splits_assigned_total,
                                              splits_reassigned_total=state.splits_reassigned_total,
-                                             uptime_s=now - self._started)
+                                             uptime_s=now - self._started,
+                                             jobs_collected_total=state.jobs_collected_total,
+                                             workers_forgotten_total=state.workers_forgotten_total)
             for w in state.workers.values():
                 response.workers.add(worker_id=w.worker_id, address=w.address,
                                      state="alive" if w.alive else "left" if w.left else "lost",

@@ -8,11 +8,15 @@ the state allocates, like split ids, are deterministic).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
+
+
+_REMEMBER_COLLECTED = 10_000  # collected job ids kept, to tell a returning trainer what happened
 
 
 @dataclass
@@ -79,6 +83,9 @@ class DispatcherState:
         self.next_split_id = 1
         self.splits_assigned_total = 0    # counters for metrics; replay rebuilds them too
         self.splits_reassigned_total = 0
+        self.jobs_collected_total = 0
+        self.workers_forgotten_total = 0
+        self.collected: OrderedDict[int, str] = OrderedDict()  # recently collected job ids -> names
 
     # ---- the one entry point for changes ---------------------------------
     def apply(self, update: jpb.Update) -> Any:
@@ -100,6 +107,26 @@ class DispatcherState:
         if worker is not None:
             self._lose(worker)
             worker.left = u.left
+
+    def _apply_forget_worker(self, u: jpb.ForgetWorker) -> None:
+        worker = self.workers.get(u.worker_id)
+        if worker is not None and not worker.alive:
+            del self.workers[u.worker_id]
+            self.workers_forgotten_total += 1
+
+    def _apply_remove_job(self, u: jpb.RemoveJob) -> None:
+        job = self.jobs.pop(u.job_id, None)
+        if job is None:
+            return
+        for plan in job.plans.values():
+            self._cancel(plan)  # its workers are told to drop the splits at their next heartbeat
+        if self.jobs_by_name.get(job.definition.name) == u.job_id:
+            del self.jobs_by_name[job.definition.name]
+        self.unassigned.pop(u.job_id, None)
+        self.jobs_collected_total += 1
+        self.collected[u.job_id] = job.definition.name
+        while len(self.collected) > _REMEMBER_COLLECTED:
+            self.collected.popitem(last=False)
 
     def _apply_create_job(self, u: jpb.CreateJob) -> None:
         definition = dpb.JobDef()

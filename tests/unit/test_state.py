@@ -182,3 +182,31 @@ def test_releasing_one_epoch_leaves_a_newer_plan_alone():
     assert s.plan(7, 0, 1) is not None and len(s.splits) == 2  # epoch 1's splits stay
     s.apply(jpb.Update(release_consumer=jpb.ReleaseConsumer(job_id=7, consumer_index=0, epoch=1)))
     assert s.plan(7, 0, 1) is None and not s.splits
+
+
+def test_a_removed_job_takes_its_splits_and_name_and_is_remembered():
+    st = DispatcherState()
+    register(st, "w1")
+    create_job(st, job_id=7, name="abandoned")
+    create_job(st, job_id=8)
+    submit(st, 6, job_id=7)
+    submit(st, 4, job_id=8)
+    assign(st, "w1", n=2)
+    st.apply(jpb.Update(remove_job=jpb.RemoveJob(job_id=7)))
+    assert set(st.jobs) == {8} and st.find_job("abandoned") is None
+    assert all(s.job_id == 8 for s in st.splits.values())
+    assert all(st.splits[s].job_id == 8 for s in st.workers["w1"].held)  # its workers drop the rest
+    assert st.collected == {7: "abandoned"} and st.jobs_collected_total == 1
+    st.apply(jpb.Update(remove_job=jpb.RemoveJob(job_id=7)))  # again (a replay): nothing more
+    assert st.jobs_collected_total == 1
+
+
+def test_only_a_gone_worker_is_forgotten():
+    st = DispatcherState()
+    register(st, "w1")
+    register(st, "w2")
+    st.apply(jpb.Update(forget_worker=jpb.ForgetWorker(worker_id="w1")))
+    assert set(st.workers) == {"w1", "w2"}  # alive: kept
+    st.apply(jpb.Update(worker_lost=jpb.WorkerLost(worker_id="w1")))
+    st.apply(jpb.Update(forget_worker=jpb.ForgetWorker(worker_id="w1")))
+    assert set(st.workers) == {"w2"} and st.workers_forgotten_total == 1
