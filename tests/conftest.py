@@ -8,11 +8,12 @@ from dpex.testing import wait_until
 
 
 def leftovers() -> set[str]:
-    """Dpex's directories in the temp directory and /dev/shm."""
+    """Dpex's directories in the temp directory and /dev/shm, and the named
+    semaphores of multiprocessing there (a worker's batch pool makes some)."""
     found = set()
-    for root in (tempfile.gettempdir(), "/dev/shm"):
+    for root, prefixes in ((tempfile.gettempdir(), ("dpex-",)), ("/dev/shm", ("dpex-", "sem.mp-"))):
         if os.path.isdir(root):
-            found |= {os.path.join(root, e) for e in os.listdir(root) if e.startswith("dpex-")}
+            found |= {os.path.join(root, e) for e in os.listdir(root) if e.startswith(prefixes)}
     return found
 
 

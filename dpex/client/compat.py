@@ -74,10 +74,9 @@ class DpexDataLoader:
         if timeout < 0:
             raise ValueError("timeout option should be non-negative")
         start = multiprocessing_context
-        if start is not None and getattr(start, "get_start_method", lambda: start)() not in ("spawn", "forkserver"):
-            raise DpexConfigError("Dpex batch processes always start fresh (from a fork server that has "
-                                  "imported torch, as with spawn); multiprocessing_context must be None, "
-                                  "'spawn' or 'forkserver' with distribute_mode=True")
+        if start is not None and getattr(start, "get_start_method", lambda: start)() != "spawn":
+            raise DpexConfigError("Dpex worker processes are always spawned; multiprocessing_context "
+                                  "must be None or 'spawn' with distribute_mode=True")
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.num_workers = num_workers

@@ -70,21 +70,23 @@ _current: tuple | None = None
 
 
 def _init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None,
-                handoff_min_bytes: int) -> None:
+                handoff_min_bytes: int, daemon_pid: int | None = None) -> None:
     global _child_index, _num_children, _handoff_dir, _handoff_min_bytes
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
     _num_children = num_children
     _handoff_dir, _handoff_min_bytes = handoff_dir, handoff_min_bytes
-    init_process(worker_address)
+    init_process(worker_address, daemon_pid)
 
 
-def init_process(worker_address: str) -> None:
+def init_process(worker_address: str, daemon_pid: int | None = None) -> None:
     """Set-up of every process that runs user code for a worker."""
     global _worker_address
     _worker_address = worker_address
-    die_with_parent()  # even if the daemon is SIGKILLed
+    # Even if the daemon is SIGKILLed; and at once if it died while this
+    # process was starting (children start without the daemon waiting for them).
+    die_with_parent(daemon_pid)
     map_big_buffers()  # batches are mapped and unmapped whole: they cannot fragment the heap
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
@@ -237,39 +239,6 @@ def _warm_up() -> int:
 
 
 # ---- daemon side ------------------------------------------------------------
-def _stop_fork_server() -> None:
-    """Stops multiprocessing's fork server and reaps it, so that a closed
-    pool leaves no process behind (on its own it exits only after this
-    process does). It holds nothing to clean up once its children are gone,
-    so it is killed rather than left to tear torch down (0.4 s). Private
-    parts of multiprocessing, checked for."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
-    pid, stop = getattr(server, "_forkserver_pid", None), getattr(server, "_stop", None)
-    if pid is None or stop is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        stop()  # closes its pipe and reaps it
-    except OSError as e:
-        log.debug("stopping the fork server: %s", e)
-
-
-def batch_process_context() -> Any:
-    """Batch processes start from a fork server that has imported torch once
-    (a fresh process per child, as with spawn, but without paying torch's
-    import in each: ten processes start in well under a second, not ten)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["dpex.worker.preload", "torch", "dpex.worker.pool"])
-    # Started here, by the thread that builds the pool (the daemon's main
-    # thread), not by whichever thread first submits: the server dies with the
-    # thread that started it (PR_SET_PDEATHSIG), and it imports in the background.
-    from multiprocessing import forkserver
-    forkserver.ensure_running()
-    return context
-
-
-
 class BatchPool:
     """A pool of N processes; a crashed child fails its batch, not the daemon."""
 
@@ -286,18 +255,17 @@ class BatchPool:
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
-        context = batch_process_context()
+        context = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
                                        initializer=_init_child,
                                        initargs=(self._address, context.Value("i", 0), self._processes,
-                                                 self.handoff_dir, self._handoff_min_bytes))
+                                                 self.handoff_dir, self._handoff_min_bytes, os.getpid()))
         # Start every child now, not at the first batch, without waiting for
-        # them (the fork server imports torch first): the daemon serves
-        # meanwhile, and a batch asked for waits for a child, as it would anyway.
-        starter = threading.Thread(target=lambda: [executor.submit(_warm_up) for _ in range(self._processes)],
-                                   name="dpex-pool-start")
-        starter.start()
-        self._starter = starter
+        # them to import torch: the daemon serves meanwhile, and a batch asked
+        # for waits for a child, as it would anyway. Started from this thread:
+        # a child dies with the thread that started it (PR_SET_PDEATHSIG).
+        for _ in range(self._processes):
+            executor.submit(_warm_up)
         return executor
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -319,12 +287,10 @@ class BatchPool:
             if self._closed:
                 return
             self._closed = True
-            self._starter.join()  # ends once its submits are in: the children are starting
             for process in list(getattr(self._executor, "_processes", {}).values()):
                 if process.is_alive():
                     process.terminate()
             self._executor.shutdown(wait=True, cancel_futures=True)
-            _stop_fork_server()
             handoff.remove_dir(self.handoff_dir)
 
 

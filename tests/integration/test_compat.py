@@ -132,7 +132,7 @@ def test_large_dataset_instance_warns_and_points_to_datasetspec(cluster):
 
 
 def test_bad_arguments():
-    with pytest.raises(dpex.DpexConfigError, match="always start fresh"):
+    with pytest.raises(dpex.DpexConfigError, match="always spawned"):
         DpexDataLoader(Squares(4), distribute_mode=True, head_address="127.0.0.1:1", multiprocessing_context="fork")
     with pytest.raises(TypeError, match="unexpected arguments: bogus"):
         DpexDataLoader(Squares(4), distribute_mode=True, bogus=1)
