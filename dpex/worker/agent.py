@@ -51,8 +51,8 @@ class DispatcherAgent:
     def _track_poll(self, asked: tuple[int, list], future: Any) -> None:
         with self._lock:
             self._poll = future
-        if future is not None and self._more_room(asked):
-            self._room_freed()  # room came between asking and this call starting
+        if future is not None and (self._stop.is_set() or self._more_room(asked)):
+            self._room_freed()  # closing, or room came between asking and this call starting
 
     def _more_room(self, asked: tuple[int, list]) -> bool:
         want, saturated = self._scheduler.free_capacity(self._config.max_held_splits)
