@@ -130,16 +130,13 @@ class DatasetSeen(NamedTuple):
     fingerprint: str
     iterable: bool = False
 
-    def check(self, address: str, meta: wpb.Batch) -> None:
-        """A worker's copy must agree: else its data is not what was planned."""
-        if not meta.HasField("dataset_length"):
-            return  # a worker that does not say (older, or an IterableDataset stream)
-        if (meta.dataset_length, meta.dataset_fingerprint) != (self.length, self.fingerprint):
-            what = [f"{self.where} has {self.length} samples", f"worker {address} has {meta.dataset_length}"]
-            if meta.dataset_fingerprint != self.fingerprint:
-                what = [f"{what[0]} (fingerprint {self.fingerprint!r})",
-                        f"{what[1]} (fingerprint {meta.dataset_fingerprint!r})"]
-            raise DpexConfigError(f"workers disagree about the dataset of job {meta.job_id}: {what[0]}, "
+    def check(self, job_id: int, address: str, length: int, fingerprint: str) -> None:
+        """Worker ``address``'s copy must agree: else its data is not what was planned."""
+        if (length, fingerprint) != (self.length, self.fingerprint):
+            what = [f"{self.where} has {self.length} samples", f"worker {address} has {length}"]
+            if fingerprint != self.fingerprint:
+                what = [f"{what[0]} (fingerprint {self.fingerprint!r})", f"{what[1]} (fingerprint {fingerprint!r})"]
+            raise DpexConfigError(f"workers disagree about the dataset of job {job_id}: {what[0]}, "
                                   f"{what[1]}; every worker needs the same data (the plan was made for "
                                   f"{self.length} samples)")
 
@@ -430,9 +427,10 @@ class EpochFetcher:
                 return False
             except (OSError, DpexWireError) as e:
                 return self._corrupt_frame(got.address, seq, DpexWireError(f"hand-off file: {e}"))
-        if self._dataset is not None:
+        # A worker that does not say (older, or an IterableDataset stream) is not checked.
+        if self._dataset is not None and meta.HasField("dataset_length"):
             try:
-                self._dataset.check(got.address, meta)
+                self._dataset.check(meta.job_id, got.address, meta.dataset_length, meta.dataset_fingerprint)
             except DpexConfigError:
                 self.close()
                 raise

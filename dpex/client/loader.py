@@ -20,7 +20,7 @@ import torch.utils.data as tud
 
 from dpex.client.distributed import current_run, shared_job_name
 from dpex.client.fetcher import DatasetSeen, EpochFetcher
-from dpex.client.options import LoaderOptions, check_sampling
+from dpex.client.options import Indices, LoaderOptions, check_sampling
 from dpex.client.pinning import PinnedEpoch, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
@@ -47,19 +47,6 @@ def _send_and_forget(method: Any, request: Any, timeout_s: float = 5.0) -> None:
     future = method.future(request, timeout=timeout_s)
     _IN_FLIGHT.add(future)
     future.add_done_callback(_IN_FLIGHT.discard)
-
-
-class _Indices(tud.Dataset):
-    """Stands in for the dataset while planning: item i is i."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _definition(job: dpb.JobDef) -> bytes:
@@ -209,16 +196,15 @@ class RemoteDataLoader:
                          worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression)
         derived_name = not job.name and num_consumers > 1 and run is not None
-        if not job.name and num_consumers > 1:
-            if run is not None:
-                job.name = shared_job_name(run, _definition(job))
-                log.info("rank %d of %d: consumer %d of job %r, shared by the ranks of this run",
-                         run.rank, run.world_size, consumer_index, job.name)
-            else:
-                warnings.warn(
-                    f"num_consumers={num_consumers} without job_name and outside torch.distributed: this "
-                    "loader makes a job of its own; give every consumer the same job_name to share one",
-                    stacklevel=2)
+        if derived_name:
+            job.name = shared_job_name(run, _definition(job))
+            log.info("rank %d of %d: consumer %d of job %r, shared by the ranks of this run",
+                     run.rank, run.world_size, consumer_index, job.name)
+        elif not job.name and num_consumers > 1:
+            warnings.warn(
+                f"num_consumers={num_consumers} without job_name and outside torch.distributed: this "
+                "loader makes a job of its own; give every consumer the same job_name to share one",
+                stacklevel=2)
         self.job_name = job.name or None
         address = opts.address
         self._res = _Resources(token, ca, shared_memory)
@@ -256,7 +242,7 @@ class RemoteDataLoader:
             elif length < 0:
                 raise DpexConfigError("the dataset has no __len__; a map-style dataset needs one")
             elif num_consumers > 1 and shard and sampler is None and batch_sampler is None:
-                sampler = tud.DistributedSampler(_Indices(length), num_replicas=num_consumers,
+                sampler = tud.DistributedSampler(Indices(length), num_replicas=num_consumers,
                                                  rank=consumer_index, shuffle=shuffle,
                                                  seed=seed if seed is not None else 0)
                 shuffle = False
@@ -264,7 +250,7 @@ class RemoteDataLoader:
                 import torch
                 generator = torch.Generator().manual_seed(seed)
             if not self._iterable:
-                self._plan = tud.DataLoader(_Indices(length), batch_size=batch_size, shuffle=shuffle,
+                self._plan = tud.DataLoader(Indices(length), batch_size=batch_size, shuffle=shuffle,
                                             sampler=sampler, batch_sampler=batch_sampler,
                                             drop_last=drop_last, collate_fn=_as_list, generator=generator)
             self._window = window or 4 * max(1, len(self._alive_workers()))
@@ -322,7 +308,8 @@ class RemoteDataLoader:
             stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset, num_streams=streams, meter=self._meter,
+            retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
+            num_streams=streams, meter=self._meter,
             leave=lambda: _send_and_forget(stub.ReleaseConsumer, request))
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
         self._res.epoch = weakref.ref(iterator)
@@ -396,10 +383,8 @@ class RemoteDataLoader:
                 this = DatasetSeen(f"worker {address}", response.length, response.fingerprint, response.iterable)
                 if seen is None:
                     seen = this
-                elif (this.length, this.fingerprint) != (seen.length, seen.fingerprint):
-                    meta = wpb.Batch(job_id=self.job_id, dataset_length=this.length,
-                                     dataset_fingerprint=this.fingerprint)
-                    seen.check(address, meta)  # raises, naming both
+                else:
+                    seen.check(self.job_id, address, this.length, this.fingerprint)
             if seen is not None:
                 return seen
             if time.monotonic() > deadline:

@@ -64,9 +64,14 @@ class LoaderOptions:
         object.__setattr__(self, "compression", check_compression(self.compression))
 
 
-class _One(tud.Dataset):
+class Indices(tud.Dataset):
+    """Stands in for the dataset while planning: item i is i."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
     def __len__(self) -> int:
-        return 1
+        return self.length
 
     def __getitem__(self, i: int) -> int:
         return i
@@ -80,10 +85,9 @@ def check_sampling(batch_size: int | None, shuffle: Any, sampler: Any, batch_sam
         raise DpexConfigError("batch_size=None (no batching) is not supported; use batch_size=1")
     for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         _check(fn is None or callable(fn), f"{name} must be callable or None, got {type(fn).__name__}")
-    if sampler is not None and not isinstance(sampler, (tud.Sampler, list, tuple, range)) \
-            and not hasattr(sampler, "__iter__"):
+    if sampler is not None and not hasattr(sampler, "__iter__"):
         raise DpexConfigError(f"sampler must be iterable, got {type(sampler).__name__}")
     if batch_sampler is not None and not hasattr(batch_sampler, "__iter__"):
         raise DpexConfigError(f"batch_sampler must be iterable, got {type(batch_sampler).__name__}")
-    tud.DataLoader(_One(), batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+    tud.DataLoader(Indices(1), batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                    batch_sampler=batch_sampler, drop_last=drop_last, generator=generator)
