@@ -123,13 +123,12 @@ class Outage:
         self._lock = threading.Lock()
         self.since: float | None = None
 
-    def failed(self, now: float) -> bool:
-        """Records a failed attempt; True for the first of this outage."""
+    def failed(self, now: float) -> float:
+        """Records a failed attempt; when the outage began (``now``: this is its first)."""
         with self._lock:
-            first = self.since is None
-            if first:
+            if self.since is None:
                 self.since = now
-            return first
+            return self.since
 
     def over(self) -> None:
         with self._lock:
@@ -166,14 +165,14 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise to_dpex_error(e, target) from None
             now = time.monotonic()
-            first = outage.failed(now)
-            deadline = outage.since + retry_for_s
+            since = outage.failed(now)  # read once: another call may end the outage meanwhile
+            deadline = since + retry_for_s
             if now >= deadline or (stop and stop()):
                 error = to_dpex_error(e, target)
                 if retry_for_s > 0:
-                    error.args = (f"{error} (unreachable for {now - outage.since:.0f}s)",)
+                    error.args = (f"{error} (unreachable for {now - since:.0f}s)",)
                 raise error from None
-            if first:
+            if since == now:  # the first failure of this outage
                 log.warning("cannot reach %s (%s); retrying for %.0fs", target,
                             (e.details() if hasattr(e, "details") else None) or code, deadline - now)
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
