@@ -43,6 +43,13 @@ class Liveness:
         for table in (self._workers, self._lost, self.loads):
             table.pop(worker_id, None)
 
+    def keep_workers(self, worker_ids: Iterable[str]) -> None:
+        """Forgets every worker but these (one replaced by a restart on its address)."""
+        keep = set(worker_ids)
+        for table in (self._workers, self._lost, self.loads):
+            for gone in set(table) - keep:
+                del table[gone]
+
     def forget_job(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
         for key in [k for k in self._consumers if k[0] == job_id]:

@@ -30,18 +30,6 @@ _ARGUMENT = {"collate": "collate_fn"}
 _CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
 
 
-def job_fingerprint(job: dpb.JobDef) -> bytes:
-    """A hash of every field of the definition but its name."""
-    h = hashlib.sha256()
-    for field in dpb.JobDef.DESCRIPTOR.fields:
-        if field.name != "name":
-            part = repr(getattr(job, field.name)).encode() if field.type != field.TYPE_BYTES \
-                else getattr(job, field.name)
-            h.update(field.name.encode() + len(part).to_bytes(8, "little"))
-            h.update(part)
-    return h.digest()
-
-
 def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) -> list[str]:
     """The loader arguments on which two definitions of a job differ (with
     ``settings_only``, not counting the pickled code)."""
@@ -152,8 +140,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         with self._cond:
             self._apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
             self._seen.worker(worker_id)
-            for gone in set(self._seen.loads) - set(self._state.workers):  # replaced on this address
-                self._seen.forget_worker(gone)
+            self._seen.keep_workers(self._state.workers)  # one replaced on this address is gone
         log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address))
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
@@ -218,7 +205,6 @@ class DispatcherService(dgrpc.DispatcherServicer):
             raise DpexConfigError("num_consumers must be >= 1")
         if not job.dataset:
             raise DpexConfigError("the job has no dataset")
-        fingerprint = job_fingerprint(job)
         with self._cond:
             existing = self._state.find_job(job.name) if job.name else None
             if existing is not None:
@@ -234,7 +220,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._seen.job(existing.job_id)
                 return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
             job_id = secrets.randbits(63)
-            self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job, fingerprint=fingerprint))
+            self._apply(create_job=jpb.CreateJob(job_id=job_id, job=job))
             self._seen.job(job_id)
         log.info("job created", extra=fields(job_id=job_id, job_name=job.name,
                                              consumers=job.num_consumers, peer=context.peer()))

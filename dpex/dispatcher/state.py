@@ -63,7 +63,6 @@ class Plan:
 class Job:
     job_id: int
     definition: dpb.JobDef
-    fingerprint: bytes
     plans: dict[int, Plan] = field(default_factory=dict)  # consumer -> newest plan
     epochs: dict[int, int] = field(default_factory=dict)  # consumer -> newest epoch it planned
     closed: set[int] = field(default_factory=set)         # consumers gone (closed or silent)
@@ -131,7 +130,7 @@ class DispatcherState:
     def _apply_create_job(self, u: jpb.CreateJob) -> None:
         definition = dpb.JobDef()
         definition.CopyFrom(u.job)
-        self.jobs[u.job_id] = Job(u.job_id, definition, u.fingerprint)
+        self.jobs[u.job_id] = Job(u.job_id, definition)
         if u.job.name:
             self.jobs_by_name[u.job.name] = u.job_id
         self.unassigned[u.job_id] = set()

@@ -13,7 +13,7 @@ def register(state, worker_id, address=None):
 
 def create_job(state, job_id=7, consumers=1, name=""):
     state.apply(jpb.Update(create_job=jpb.CreateJob(
-        job_id=job_id, job=dpb.JobDef(name=name, dataset=b"d", num_consumers=consumers), fingerprint=b"f")))
+        job_id=job_id, job=dpb.JobDef(name=name, dataset=b"d", num_consumers=consumers))))
 
 
 def submit(state, n, job_id=7, consumer=0, epoch=0, split=2, digest=b"h"):
