@@ -22,18 +22,23 @@ def alive(pid: int) -> bool:
         return False
 
 
-def remove_dead_temp_dirs(kind: str) -> None:
-    """Removes ``dpex-KIND-PID-*`` directories in the temp directory whose
-    process is gone (killed before it could remove its own)."""
-    root = tempfile.gettempdir()
+def remove_dead_dirs(root: str, pattern: str) -> None:
+    """Removes the directories in ``root`` whose names match ``pattern`` (its
+    first group: the owner's pid) and whose process is gone (killed before it
+    could remove its own)."""
     try:
         entries = os.listdir(root)
-    except OSError:
+    except OSError:  # no such directory here
         return
     for entry in entries:
-        match = re.fullmatch(rf"dpex-{kind}-(\d+)-.+", entry)
+        match = re.fullmatch(pattern, entry)
         if match and not alive(int(match.group(1))):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def remove_dead_temp_dirs(kind: str) -> None:
+    """Removes the ``dpex-KIND-PID-*`` directories of dead processes in the temp directory."""
+    remove_dead_dirs(tempfile.gettempdir(), rf"dpex-{kind}-(\d+)-.+")
 
 
 def temp_dir(kind: str) -> str:

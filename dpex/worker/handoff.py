@@ -24,6 +24,7 @@ import shutil
 import weakref
 from typing import NamedTuple
 
+from dpex import procutil
 from dpex.procutil import alive
 
 SHM = "/dev/shm"
@@ -159,14 +160,7 @@ def usage(directory: str | None) -> dict[str, int]:
 def remove_dead_dirs() -> None:
     """Removes the hand-off directories of daemons that are gone (killed
     before they could remove their own)."""
-    try:
-        entries = os.listdir(SHM)
-    except OSError:  # no /dev/shm here
-        return
-    for entry in entries:
-        pid = _daemon_pid(entry)
-        if pid is not None and not alive(int(pid)):
-            shutil.rmtree(os.path.join(SHM, entry), ignore_errors=True)
+    procutil.remove_dead_dirs(SHM, r"dpex-(\d+)")
 
 
 def make_dir() -> str | None:
