@@ -214,6 +214,7 @@ class LocalCluster:
             _stop(dispatcher_box[0].process)
         handoff.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
         remove_dead_temp_dirs("worker")
+        remove_dead_temp_dirs("dispatcher")
         shutil.rmtree(log_dir, ignore_errors=True)
 
     def close(self) -> None:

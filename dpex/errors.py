@@ -55,7 +55,8 @@ class DpexWorkerError(DpexError):
     _WHERE = {"build": "while building the dataset", "collate": "in collate_fn",
               "worker_init_fn": "in worker_init_fn", "iterate": "while iterating the dataset",
               "encode": "while encoding the batch (an unsupported type?)",
-              "process": "in a worker process that died"}
+              "process": "in a worker process that died",
+              "plan": "while computing the batch's indices from the epoch's sampler"}
 
     def __init__(self, exc_type: str, message: str, traceback: str, worker: str,
                  sample_index: int, stage: str = "getitem", batch: str = "") -> None:

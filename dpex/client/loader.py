@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -26,6 +27,8 @@ from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec, describe_dataset
+from dpex.plan import samplers
+from dpex.plan.spec import chunks
 from dpex.errors import (JOB_COLLECTED, DpexConfigError, DpexConnectionError, DpexError, DpexNotFoundError,
                          DpexWorkerError)
 from dpex.proto import dispatcher_pb2 as dpb
@@ -146,6 +149,9 @@ class RemoteDataLoader:
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
+    With torch's own samplers an epoch's plan is sent as a description and
+    the workers compute its index batches (they need the trainer's torch
+    release); ``compact_plans=False``, or any other sampler, sends every index.
     """
 
     def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
@@ -158,7 +164,8 @@ class RemoteDataLoader:
                  pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
                  auth_token: str | None = None, tls_ca: str | None = None,
                  connect_timeout: float = 30.0, shared_memory: bool = True,
-                 compression: str | None = None, pin_memory_device: str = "", shard: bool = True) -> None:
+                 compression: str | None = None, pin_memory_device: str = "", shard: bool = True,
+                 compact_plans: bool = True) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         run = None
@@ -235,6 +242,7 @@ class RemoteDataLoader:
                 self._dataset = self._inspect()
                 length, self._iterable = self._dataset.length, self._dataset.iterable
             self._generator, self._num_streams = generator, num_workers
+            self._compact = compact_plans
             self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
             if self._iterable:
                 _check_iterable_args(shuffle, sampler, batch_sampler)  # a DatasetSpec: known only now
@@ -284,29 +292,33 @@ class RemoteDataLoader:
         if self._iterable:  # as torch: a base seed per epoch, no sampler
             import torch
             base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
-            plan, streams = [], self._num_streams
+            plan, streams, sampler = [], self._num_streams, None
         else:  # torch's own iterator draws the epoch's base seed, then runs the sampler
             indices = iter(self._plan)
             base_seed = indices._base_seed
-            plan, streams = [dpb.IndexBatch(indices=b) for b in indices], 0
+            sampler = samplers.describe(self._plan) if self._compact else None
+            plan = [] if sampler is not None else [dpb.IndexBatch(indices=b) for b in indices]
+            streams = 0
         epoch = self._epoch_counter
         self._epoch_counter += 1
         submit = dpb.SubmitPlanRequest(job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch,
-                                       batches=plan, base_seed=base_seed, num_streams=streams)
+                                       base_seed=base_seed, num_streams=streams)
+        if sampler is not None:
+            submit.sampler.CopyFrom(sampler)
         try:
-            self._call(self._res.stub.SubmitPlan, submit)
+            num_batches = self._submit(submit, plan)
         except DpexNotFoundError as e:
             if JOB_COLLECTED not in str(e):
                 raise
             log.warning("%s; making it again", e)  # the definition is ours: nothing is lost
             self._create_job()
             submit.job_id = self.job_id
-            self._call(self._res.stub.SubmitPlan, submit)
+            num_batches = self._submit(submit, plan)
         stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
             job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch)
         fetcher = EpochFetcher(
             stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
-            consumer_index=self.consumer_index, epoch=epoch, num_batches=len(plan),
+            consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
@@ -335,6 +347,28 @@ class RemoteDataLoader:
     def _call(self, method: Any, request: Any) -> Any:
         return call(method, request, target=self._target, timeout_s=60,
                     retry_for_s=self._connect_timeout, outage=self._outage)
+
+    def _submit(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
+        """Submits the epoch's plan: a description or streams in one call,
+        explicit batches in bounded chunks. The number of batches planned."""
+        if submit.num_streams or submit.HasField("sampler"):
+            return self._call(self._res.stub.SubmitPlan, submit).num_batches
+        parts = list(chunks(batches))
+        for attempt in range(3):
+            submit.upload_id = secrets.randbits(63) + 1
+            try:
+                for i, part in enumerate(parts):
+                    request = dpb.SubmitPlanRequest()
+                    request.CopyFrom(submit)
+                    request.chunk, request.more = i, i + 1 < len(parts)
+                    request.batches.extend(part)
+                    response = self._call(self._res.stub.SubmitPlan, request)
+                return response.num_batches
+            except DpexNotFoundError as e:  # the dispatcher restarted mid-upload: from the start
+                if attempt == 2 or "plan upload" not in str(e):
+                    raise
+                log.warning("%s", e)
+        raise AssertionError("unreachable")
 
     def _create_job(self) -> None:
         """Gets or creates the job (again, if the dispatcher collected it)."""

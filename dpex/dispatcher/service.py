@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -13,9 +14,13 @@ import grpc
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.journal import Journal
 from dpex.dispatcher.liveness import Liveness
+from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
+from dpex.plan import samplers
+from dpex.plan.spec import PlanHash
+from dpex.procutil import temp_dir
 from dpex.errors import JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
@@ -38,14 +43,6 @@ def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) 
             and getattr(a, f.name) != getattr(b, f.name)]
 
 
-def plan_hash(batches, base_seed: int, num_streams: int) -> bytes:
-    h = hashlib.sha256(base_seed.to_bytes(8, "little") + num_streams.to_bytes(4, "little"))
-    for batch in batches:
-        h.update(batch.SerializeToString())
-        h.update(b"|")
-    return h.digest()
-
-
 class DispatcherService(dgrpc.DispatcherServicer):
     def __init__(self, config: DispatcherConfig) -> None:
         self._config = config
@@ -54,6 +51,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._seen = Liveness()
         self._started = time.monotonic()
         self._journal = Journal(config.work_dir) if config.work_dir else None
+        self._own_plan_dir = None if config.work_dir else temp_dir("dispatcher")
+        self._plan_files = PlanFiles(os.path.join(config.work_dir, "plans") if config.work_dir
+                                     else self._own_plan_dir)
         if self._journal is not None:
             count = 0
             for update in self._journal.replay():
@@ -81,6 +81,10 @@ class DispatcherService(dgrpc.DispatcherServicer):
         if self._journal is not None:
             with self._cond:
                 self._journal.close()
+        self._plan_files.close()
+        if self._own_plan_dir is not None:
+            import shutil
+            shutil.rmtree(self._own_plan_dir, ignore_errors=True)
 
     def _apply(self, **kind) -> object:
         """Journals one update, then applies it; the caller holds self._cond."""
@@ -113,6 +117,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         self._apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id,
                                                                          consumer_index=consumer, closed=True))
                 self._collect()
+                self._plan_files.keep({p.plan_file for j in self._state.jobs.values()
+                                       for p in j.plans.values() if p.plan_file and not p.finished})
 
     def _collect(self) -> None:
         """Garbage collection; the caller holds self._cond."""
@@ -130,6 +136,21 @@ class DispatcherService(dgrpc.DispatcherServicer):
                          extra=fields(job_id=job_id, job_name=self._state.jobs[job_id].definition.name))
                 self._apply(remove_job=jpb.RemoveJob(job_id=job_id))
                 self._seen.forget_job(job_id)
+
+    def _describe(self, split, out: dpb.Split) -> None:
+        """A split as a worker gets it: its batches, or how to compute them."""
+        plan = split.plan
+        out.split_id, out.job_id, out.consumer_index, out.epoch = (split.split_id, plan.job_id,
+                                                                   plan.consumer_index, plan.epoch)
+        out.first_seq, out.num_batches, out.base_seed = split.first_seq, split.num_batches, plan.base_seed
+        out.num_streams = plan.num_streams
+        out.delivered_seqs.extend(sorted(split.delivered))
+        if plan.sampler is not None:
+            out.sampler.CopyFrom(plan.sampler)
+        elif plan.plan_file:
+            out.batches.extend(self._plan_files.read(plan.plan_file, split.index, split.num_batches))
+        else:
+            out.batches.extend(plan.inline[split.first_seq:split.first_seq + split.num_batches])
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
@@ -170,12 +191,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._cond.wait(remaining)
             response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
             for split_id in sorted(worker.held - held):
-                split = self._state.splits[split_id]
-                response.splits.add(split_id=split_id, job_id=split.job_id,
-                                    consumer_index=split.consumer_index, epoch=split.epoch,
-                                    first_seq=split.first_seq, batches=split.batches,
-                                    base_seed=split.base_seed, num_streams=split.num_streams,
-                                    delivered_seqs=sorted(split.delivered))
+                self._describe(self._state.splits[split_id], response.splits.add())
             self._seen.worker(worker.worker_id)
         return response
 
@@ -245,12 +261,32 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def SubmitPlan(self, request, context):
-        if request.num_streams and request.batches:
-            raise DpexConfigError("a plan has either batches or streams, not both")
-        if len(request.batches) > self._config.max_plan_batches:
-            raise DpexConfigError(f"a plan of {len(request.batches)} batches is over this dispatcher's "
+        if sum(map(bool, (request.num_streams, request.batches or request.upload_id,
+                          request.HasField("sampler")))) > 1:
+            raise DpexConfigError("a plan has one of batches, a sampler or streams")
+        meta = (request.job_id, request.consumer_index, request.epoch, request.base_seed)
+        plan_file, sampler = "", None
+        if request.HasField("sampler"):
+            sampler = request.sampler
+            num_batches = samplers.num_batches(sampler)
+            digest = PlanHash(request.base_seed, 0, sampler).digest()
+        elif request.num_streams:
+            num_batches, digest = 0, PlanHash(request.base_seed, request.num_streams).digest()
+        else:  # explicit batches: on disk, chunk by chunk
+            with self._cond:
+                self._job(request.job_id)
+            upload_id = request.upload_id or secrets.randbits(63) + 1
+            upload = self._plan_files.add(upload_id, request.chunk, request.batches,
+                                          self._config.split_size_batches, meta, request.base_seed)
+            if upload.num_batches > self._config.max_plan_batches:
+                raise DpexConfigError(f"a plan of more than {self._config.max_plan_batches} batches is over "
+                                      "this dispatcher's limit (--max-plan-batches)")
+            if request.more:
+                return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
+            plan_file, num_batches, digest = self._plan_files.finish(upload_id)
+        if num_batches > self._config.max_plan_batches:
+            raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self._config.max_plan_batches} (--max-plan-batches)")
-        digest = plan_hash(request.batches, request.base_seed, request.num_streams)
         with self._cond:
             job = self._job(request.job_id)
             if request.consumer_index >= job.definition.num_consumers:
@@ -258,9 +294,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                       f"a job with {job.definition.num_consumers} consumers")
             for other, other_plan in job.plans.items():
                 if (other != request.consumer_index and other_plan.epoch == request.epoch
-                        and other_plan.num_batches != len(request.batches)):
+                        and other_plan.num_batches != num_batches and not request.num_streams):
                     raise DpexConfigError(
-                        f"consumer {request.consumer_index} planned {len(request.batches)} batches for "
+                        f"consumer {request.consumer_index} planned {num_batches} batches for "
                         f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
                         "every consumer must get the same number of batches (DDP ranks would hang)")
             self._seen.consumer(request.job_id, request.consumer_index)
@@ -269,11 +305,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 return dpb.SubmitPlanResponse(num_batches=same.num_batches, num_delivered=same.num_delivered)
             plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
-                batches=request.batches, plan_hash=digest, split_size=self._config.split_size_batches,
-                base_seed=request.base_seed, num_streams=request.num_streams))
+                plan_hash=digest, split_size=self._config.split_size_batches, base_seed=request.base_seed,
+                num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
-                                                    splits=len(plan.split_ids)))
+                                                    splits=plan.num_splits,
+                                                    kind="sampler" if sampler else "file" if plan_file else "streams"))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method
@@ -295,9 +332,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
             # every worker is full (of batches the consumer cannot take before it).
             waited = self._state.split_at(plan, request.next_seq)
             target = self._state.least_loaded_worker()
-            if waited is not None and waited.worker_id is None and target is not None:
+            if waited is not None and (waited[1] is None or waited[1].worker_id is None) and target is not None:
                 self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id,
-                                                           split_ids=[waited.split_id]))
+                                                           split_ids=[plan.first_split_id + waited[0]]))
             # Long-poll until the owners change, so the trainer learns of a
             # new assignment at once without polling.
             while True:
@@ -313,7 +350,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                                 owners_digest=digest)
             for split, worker in owners:
                 response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
-                                    num_batches=len(split.batches), worker_id=worker.worker_id,
+                                    num_batches=split.num_batches, worker_id=worker.worker_id,
                                     worker_address=worker.address)
             return response
 
@@ -354,17 +391,18 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                      splits_held=len(w.held),
                                      seconds_since_heartbeat=self._seen.since_heartbeat(w.worker_id),
                                      load=self._seen.loads.get(w.worker_id) if w.alive else None)
-            live: dict[int, list[bool]] = {job_id: [] for job_id in state.jobs}
+            assigned = {job_id: 0 for job_id in state.jobs}
             for split in state.splits.values():
-                live[split.job_id].append(split.worker_id is not None)
+                if split.worker_id is not None and split.job_id in assigned:
+                    assigned[split.job_id] += 1
             for job in state.jobs.values():
                 plans = job.plans
                 response.jobs.add(job_id=job.job_id, name=job.definition.name,
                                   num_consumers=job.definition.num_consumers,
                                   batches_planned=job.batches_planned,
                                   batches_delivered=job.batches_delivered,
-                                  splits_unassigned=live[job.job_id].count(False),
-                                  splits_assigned=live[job.job_id].count(True),
+                                  splits_unassigned=state.unassigned(job.job_id),
+                                  splits_assigned=assigned[job.job_id],
                                   consumers_active=sum(state.has_live_plan(job.job_id, c) for c in plans),
                                   epochs=[job.epochs[c] for c in sorted(job.epochs)],
                                   state=state.job_state(job.job_id))

@@ -5,9 +5,18 @@ Every change is one ``Update`` record (journal.proto) passed to
 lock. The service validates a request, builds the update and applies it under
 its own lock, so that replaying the same updates rebuilds the same state (ids
 the state allocates, like split ids, are deterministic).
+
+A plan is cut into splits of ``split_size`` batches without making them: a
+plan of a billion samples costs what one of a thousand does. A split becomes
+an object when it is handed out (the lowest first: a cursor over the plan,
+and a heap of those given back by lost workers) and is dropped when
+delivered, so memory and the cost of each call follow the splits in work,
+not the size of the plans.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,34 +38,88 @@ class Worker:
 
 
 @dataclass
-class Split:
-    split_id: int
+class Plan:
     job_id: int
     consumer_index: int
-    epoch: int
-    first_seq: int
-    batches: list[dpb.IndexBatch]
-    base_seed: int = 0
-    num_streams: int = 0  # > 0: the stream first_seq of an IterableDataset epoch
-    worker_id: str | None = None
-    delivered: set[int] = field(default_factory=set)  # seqs
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        # Lowest first: consumers of one job advance side by side (DDP ranks
-        # run in lockstep, so a worker must not fill up with one rank's splits).
-        return (self.epoch, self.first_seq, self.consumer_index)
-
-
-@dataclass
-class Plan:
     epoch: int
     plan_hash: bytes
     split_size: int
     num_batches: int
-    split_ids: list[int]
-    num_delivered: int = 0
+    first_split_id: int
+    num_splits: int
+    base_seed: int = 0
     num_streams: int = 0  # > 0: one split per stream, lengths unknown
+    sampler: dpb.SamplerSpec | None = None  # torch's sampler, described: workers compute the batches
+    plan_file: str = ""                     # explicit batches, in the dispatcher's plan files
+    inline: list[dpb.IndexBatch] = field(default_factory=list)  # explicit batches in the record itself
+    num_delivered: int = 0
+    next_index: int = 0           # splits below it were handed out (or are done)
+    early: set[int] = field(default_factory=set)      # handed out ahead of next_index
+    returned: list[int] = field(default_factory=list)  # heap: handed out, then given back unassigned
+    live: set[int] = field(default_factory=set)       # split ids handed out and not done
+    done: int = 0                 # splits delivered or cancelled
+
+    @property
+    def split_ids(self) -> range:
+        return range(self.first_split_id, self.first_split_id + self.num_splits)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.num_splits
+
+    def first_seq(self, index: int) -> int:
+        return index if self.num_streams else index * self.split_size
+
+    def split_batches(self, index: int) -> int:
+        """How many batches split ``index`` holds (0: a stream, length unknown)."""
+        if self.num_streams:
+            return 0
+        return min(self.split_size, self.num_batches - index * self.split_size)
+
+    def head(self) -> int | None:
+        """The lowest split index not assigned and not done."""
+        fresh = self.next_index if self.next_index < self.num_splits else None
+        back = self.returned[0] if self.returned else None
+        if fresh is None or (back is not None and back < fresh):
+            return back
+        return fresh
+
+    def unassigned(self) -> int:
+        return self.num_splits - self.next_index - len(self.early) + len(self.returned)
+
+
+@dataclass
+class Split:
+    """A handed-out split of a plan."""
+    split_id: int
+    plan: Plan
+    index: int
+    worker_id: str | None = None
+    delivered: set[int] = field(default_factory=set)  # seqs
+
+    @property
+    def job_id(self) -> int:
+        return self.plan.job_id
+
+    @property
+    def consumer_index(self) -> int:
+        return self.plan.consumer_index
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    @property
+    def first_seq(self) -> int:
+        return self.plan.first_seq(self.index)
+
+    @property
+    def num_batches(self) -> int:
+        return self.plan.split_batches(self.index)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.epoch, self.first_seq, self.consumer_index)
 
 
 @dataclass
@@ -77,14 +140,15 @@ class DispatcherState:
         self.workers: dict[str, Worker] = {}
         self.jobs: dict[int, Job] = {}
         self.jobs_by_name: dict[str, int] = {}
-        self.splits: dict[int, Split] = {}          # live: not delivered, not cancelled
-        self.unassigned: dict[int, set[int]] = {}   # job id -> split ids
+        self.splits: dict[int, Split] = {}          # handed out, not delivered, not cancelled
         self.next_split_id = 1
         self.splits_assigned_total = 0    # counters for metrics; replay rebuilds them too
         self.splits_reassigned_total = 0
         self.jobs_collected_total = 0
         self.workers_forgotten_total = 0
         self.collected: OrderedDict[int, str] = OrderedDict()  # recently collected job ids -> names
+        self._starts: list[int] = []      # first split ids of the live plans, ascending
+        self._by_start: dict[int, Plan] = {}
 
     # ---- the one entry point for changes ---------------------------------
     def apply(self, update: jpb.Update) -> Any:
@@ -121,7 +185,6 @@ class DispatcherState:
             self._cancel(plan)  # its workers are told to drop the splits at their next heartbeat
         if self.jobs_by_name.get(job.definition.name) == u.job_id:
             del self.jobs_by_name[job.definition.name]
-        self.unassigned.pop(u.job_id, None)
         self.jobs_collected_total += 1
         self.collected[u.job_id] = job.definition.name
         while len(self.collected) > _REMEMBER_COLLECTED:
@@ -133,7 +196,6 @@ class DispatcherState:
         self.jobs[u.job_id] = Job(u.job_id, definition)
         if u.job.name:
             self.jobs_by_name[u.job.name] = u.job_id
-        self.unassigned[u.job_id] = set()
 
     def _apply_submit_plan(self, u: jpb.SubmitPlan) -> Plan:
         job = self.jobs[u.job_id]
@@ -143,21 +205,16 @@ class DispatcherState:
         if old is not None:
             self._cancel(old)
         size = max(1, u.split_size)
-        plan = Plan(u.epoch, u.plan_hash, size, len(u.batches), [], num_streams=u.num_streams)
-        for stream in range(u.num_streams):
-            split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, stream, [],
-                          u.base_seed, num_streams=u.num_streams)
-            self.next_split_id += 1
-            self.splits[split.split_id] = split
-            self.unassigned[u.job_id].add(split.split_id)
-            plan.split_ids.append(split.split_id)
-        for first in range(0, len(u.batches), size):
-            split = Split(self.next_split_id, u.job_id, u.consumer_index, u.epoch, first,
-                          list(u.batches[first:first + size]), u.base_seed)
-            self.next_split_id += 1
-            self.splits[split.split_id] = split
-            self.unassigned[u.job_id].add(split.split_id)
-            plan.split_ids.append(split.split_id)
+        num_batches = u.num_batches or len(u.batches)
+        num_splits = u.num_streams or -(-num_batches // size)
+        plan = Plan(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches,
+                    self.next_split_id, num_splits, u.base_seed, u.num_streams,
+                    sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
+                    inline=list(u.batches))
+        self.next_split_id += num_splits
+        if num_splits:
+            self._starts.append(plan.first_split_id)
+            self._by_start[plan.first_split_id] = plan
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
         job.closed.discard(u.consumer_index)
@@ -170,9 +227,8 @@ class DispatcherState:
             return []
         assigned = []
         for split_id in u.split_ids:
-            split = self.splits.get(split_id)
-            if split is not None and split.worker_id is None:
-                self._assign(split, worker)
+            plan = self.plan_of(split_id)
+            if plan is not None and self._hand_out(plan, split_id - plan.first_split_id, worker):
                 assigned.append(split_id)
         return assigned
 
@@ -189,12 +245,12 @@ class DispatcherState:
         for seq in u.seqs:
             if seq >= plan.num_batches:
                 continue
-            split = self.splits.get(plan.split_ids[seq // plan.split_size])
+            split = self.splits.get(plan.first_split_id + seq // plan.split_size)
             if split is None or seq in split.delivered:
-                continue
+                continue  # done already (or never handed out: nobody could have made it)
             split.delivered.add(seq)
             newly += 1
-            if len(split.delivered) == len(split.batches):
+            if len(split.delivered) == split.num_batches:
                 self._drop(split)
         plan.num_delivered += newly
         job.batches_delivered += newly
@@ -210,32 +266,71 @@ class DispatcherState:
         self._cancel(plan)
 
     # ---- helpers (called only from apply) ----------------------------------
-    def _assign(self, split: Split, worker: Worker) -> None:
-        self.unassigned[split.job_id].discard(split.split_id)
+    def plan_of(self, split_id: int) -> Plan | None:
+        at = bisect.bisect_right(self._starts, split_id) - 1
+        plan = self._by_start.get(self._starts[at]) if at >= 0 else None
+        return plan if plan is not None and split_id < plan.first_split_id + plan.num_splits else None
+
+    def _hand_out(self, plan: Plan, index: int, worker: Worker) -> bool:
+        """Assigns split ``index`` of a plan to the worker, if it is unassigned."""
+        split_id = plan.first_split_id + index
+        split = self.splits.get(split_id)
+        if split is not None:
+            if split.worker_id is not None:
+                return False
+            plan.returned.remove(index)
+            heapq.heapify(plan.returned)
+        elif index < plan.next_index or index in plan.early or plan.finished:
+            return False  # done already
+        else:
+            if index == plan.next_index:
+                plan.next_index += 1
+                while plan.next_index in plan.early:  # handed out early: passed now
+                    plan.early.discard(plan.next_index)
+                    plan.next_index += 1
+            else:
+                plan.early.add(index)  # the split a consumer waits for, ahead of the others
+            split = self.splits[split_id] = Split(split_id, plan, index)
+            plan.live.add(split_id)
         split.worker_id = worker.worker_id
-        worker.held.add(split.split_id)
+        worker.held.add(split_id)
         self.splits_assigned_total += 1
+        return True
 
     def _lose(self, worker: Worker) -> None:
         worker.alive = False
         for split_id in worker.held:
             split = self.splits[split_id]
             split.worker_id = None
-            self.unassigned[split.job_id].add(split_id)
+            heapq.heappush(split.plan.returned, split.index)
         self.splits_reassigned_total += len(worker.held)
         worker.held.clear()
 
     def _drop(self, split: Split) -> None:
+        plan = split.plan
         del self.splits[split.split_id]
-        self.unassigned[split.job_id].discard(split.split_id)
-        if split.worker_id is not None and split.worker_id in self.workers:
+        plan.live.discard(split.split_id)
+        plan.done += 1
+        if split.worker_id is None:
+            plan.returned.remove(split.index)
+            heapq.heapify(plan.returned)
+        elif split.worker_id in self.workers:
             self.workers[split.worker_id].held.discard(split.split_id)
+        if plan.finished:
+            self._forget(plan)
 
     def _cancel(self, plan: Plan) -> None:
-        for split_id in plan.split_ids:
-            split = self.splits.get(split_id)
-            if split is not None:
-                self._drop(split)
+        for split_id in list(plan.live):
+            self._drop(self.splits[split_id])
+        plan.done = plan.num_splits
+        plan.next_index, plan.early, plan.returned = plan.num_splits, set(), []
+        self._forget(plan)
+
+    def _forget(self, plan: Plan) -> None:
+        """No split of the plan is in work any more: its ids need no lookup."""
+        if self._by_start.get(plan.first_split_id) is plan:
+            del self._by_start[plan.first_split_id]
+            self._starts.pop(bisect.bisect_left(self._starts, plan.first_split_id))
 
     # ---- queries (read only) --------------------------------------------------
     def find_job(self, name: str) -> Job | None:
@@ -249,11 +344,11 @@ class DispatcherState:
         return plan if plan is not None and epoch in (None, plan.epoch) else None
 
     def owners(self, plan: Plan) -> list[tuple[Split, Worker]]:
-        """Assigned, undelivered splits of a plan with their workers."""
+        """Assigned, undelivered splits of a plan with their workers, in order."""
         out = []
-        for split_id in plan.split_ids:
-            split = self.splits.get(split_id)
-            if split is not None and split.worker_id is not None:
+        for split_id in sorted(plan.live):
+            split = self.splits[split_id]
+            if split.worker_id is not None:
                 out.append((split, self.workers[split.worker_id]))
         return out
 
@@ -269,38 +364,77 @@ class DispatcherState:
         """Whether the consumer's newest plan still has splits not delivered."""
         job = self.jobs.get(job_id)
         plan = job.plans.get(consumer_index) if job else None
-        return plan is not None and any(s in self.splits for s in plan.split_ids)
+        return plan is not None and not plan.finished
+
+    def unassigned(self, job_id: int) -> int:
+        """How many splits of the job wait for a worker."""
+        job = self.jobs.get(job_id)
+        return sum(p.unassigned() for p in job.plans.values() if not p.finished) if job else 0
 
     def choose_splits(self, worker_id: str, max_splits: int,
                       saturated: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
         """The splits a worker asking for ``max_splits`` should get: the lowest
         unassigned ones, preferring jobs of which it holds the fewest, none of
-        the ``saturated`` (job, consumer)s (the worker holds all it may for them)."""
+        the ``saturated`` (job, consumer)s (the worker holds all it may for them).
+        Costs O(consumers with work), whatever the size of their plans."""
         worker = self.workers.get(worker_id)
-        if worker is None or not worker.alive:
+        if worker is None or not worker.alive or max_splits <= 0:
             return []
-        held = {job_id: 0 for job_id in self.unassigned}
+        held: dict[int, int] = {}
         for split_id in worker.held:
-            held[self.splits[split_id].job_id] += 1
-        pools = {job_id: sorted(pool, key=lambda s: self.splits[s].key)
-                 for job_id, pool in ((j, [s for s in p if (j, self.splits[s].consumer_index) not in saturated])
-                                      for j, p in self.unassigned.items()) if pool}
+            job_id = self.splits[split_id].job_id
+            held[job_id] = held.get(job_id, 0) + 1
+        # One cursor per (job, consumer): the next split it would hand out.
+        heads: list[tuple[int, tuple, int, Plan, int]] = []
+        pending: dict[int, list] = {}
+        for job in self.jobs.values():
+            for consumer, plan in job.plans.items():
+                if plan.finished or (job.job_id, consumer) in saturated:
+                    continue
+                index = plan.head()
+                if index is not None:
+                    pending.setdefault(job.job_id, []).append(
+                        ((plan.epoch, plan.first_seq(index), consumer), index, plan))
+        for job_id, options in pending.items():
+            heapq.heapify(options)
+        taken: dict[int, set[int]] = {}  # plan's first split id -> indexes chosen this call
         chosen: list[int] = []
-        while len(chosen) < max_splits and pools:
-            job_id = min(pools, key=lambda j: (held[j], *self.splits[pools[j][0]].key, j))
-            chosen.append(pools[job_id].pop(0))
-            held[job_id] += 1
-            if not pools[job_id]:
-                del pools[job_id]
+        while len(chosen) < max_splits and pending:
+            job_id = min(pending, key=lambda j: (held.get(j, 0), pending[j][0][0], j))
+            options = pending[job_id]
+            _, index, plan = heapq.heappop(options)
+            chosen.append(plan.first_split_id + index)
+            held[job_id] = held.get(job_id, 0) + 1
+            mine = taken.setdefault(plan.first_split_id, set())
+            mine.add(index)
+            following = self._after(plan, mine)
+            if following is not None:
+                heapq.heappush(options, ((plan.epoch, plan.first_seq(following), plan.consumer_index),
+                                         following, plan))
+            if not options:
+                del pending[job_id]
         return chosen
 
-    def split_at(self, plan: Plan, seq: int) -> Split | None:
-        """The live split of a plan that holds batch ``seq``."""
-        if plan.num_streams:
-            return self.splits.get(plan.split_ids[seq % plan.num_streams])
-        if seq >= plan.num_batches:
+    @staticmethod
+    def _after(plan: Plan, taken: set[int]) -> int | None:
+        """The plan's lowest unassigned split not in ``taken`` (read only)."""
+        back = sorted(i for i in plan.returned if i not in taken)[:1]
+        fresh = plan.next_index
+        while fresh < plan.num_splits and (fresh in plan.early or fresh in taken):
+            fresh += 1
+        options = back + ([fresh] if fresh < plan.num_splits else [])
+        return min(options) if options else None
+
+    def split_at(self, plan: Plan, seq: int) -> tuple[int, Split | None] | None:
+        """(split index, its split object if handed out) of the plan's split
+        holding batch ``seq``; None when it is done or out of range."""
+        index = seq % plan.num_streams if plan.num_streams else seq // plan.split_size
+        if plan.finished or index >= plan.num_splits:
             return None
-        return self.splits.get(plan.split_ids[seq // plan.split_size])
+        split = self.splits.get(plan.first_split_id + index)
+        if split is None and (index < plan.next_index or index in plan.early):
+            return None  # delivered already
+        return index, split
 
     def least_loaded_worker(self) -> Worker | None:
         alive = self.alive_workers()

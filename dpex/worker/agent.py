@@ -105,7 +105,7 @@ class DispatcherAgent:
                 for split in response.splits:
                     log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,
                                                           consumer=split.consumer_index, epoch=split.epoch,
-                                                          first_seq=split.first_seq, batches=len(split.batches)))
+                                                          first_seq=split.first_seq, batches=split.num_batches))
                     self.ensure_job(split.job_id)
                     self._scheduler.add_split(split)
             except DpexCancelledError:  # cut short by _room_freed: ask again, now for splits

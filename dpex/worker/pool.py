@@ -294,12 +294,13 @@ class BatchPool:
             handoff.remove_dir(self.handoff_dir)
 
 
-def crash_frame(task: Task, exc: BaseException, worker_address: str) -> bytes:
-    """The frame for a batch whose process died (e.g. a segfault or OOM kill)."""
+def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str = "process") -> bytes:
+    """The frame for a batch whose process died (e.g. a segfault or OOM kill),
+    or (stage "plan") whose indices could not be computed."""
     from dpex.proto import worker_pb2 as wpb
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
-    meta.error.CopyFrom(wpb.RemoteError(
-        type=type(exc).__name__, message=f"the batch process died while producing this batch: {exc}",
-        traceback="", sample_index=-1, worker=worker_address, stage="process"))
+    message = f"the batch process died while producing this batch: {exc}" if stage == "process" else str(exc)
+    meta.error.CopyFrom(wpb.RemoteError(type=type(exc).__name__, message=message, traceback="",
+                                        sample_index=-1, worker=worker_address, stage=stage))
     return meta.SerializeToString()

@@ -18,10 +18,11 @@ import heapq
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
@@ -54,6 +55,8 @@ class Key(NamedTuple):
 class _Split:
     split: dpb.Split
     unproduced: set[Key] = field(default_factory=set)
+    batches: list[list[int]] | None = None  # None: being computed from the epoch's sampler
+    error: BaseException | None = None      # they could not be: each batch is this error
 
 
 @dataclass
@@ -84,7 +87,7 @@ class _Queue:
 def split_keys(split: dpb.Split) -> list[Key]:
     """The batch ids of a (map-style) split, in order."""
     return [Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
-            for i in range(len(split.batches))]
+            for i in range(split.num_batches or len(split.batches))]
 
 
 def not_assigned_frame(key: Key) -> bytes:
@@ -119,6 +122,9 @@ class Scheduler:
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
         self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._closed = False
+        # A described split's indices are computed here, off the scheduler's thread: the
+        # first split of an epoch may draw a permutation of the whole dataset.
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpex-planner")
         self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
@@ -197,16 +203,35 @@ class Scheduler:
                 self._add_stream(split)
                 return
             entry = _Split(split)
-            queue = self._queue((split.job_id, split.consumer_index))
-            delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
+            self._queue((split.job_id, split.consumer_index))
             for i, key in enumerate(split_keys(split)):
                 self._where[key] = (split.split_id, i)
+                self._unknown_since.pop(key, None)
+            self._splits[split.split_id] = entry
+            if not split.HasField("sampler"):
+                self._planned(entry, [list(b.indices) for b in split.batches])
+                return
+        future = self._planner.submit(samplers.batches, split.sampler, split.first_seq, split.num_batches)
+        future.add_done_callback(lambda f: self._planned(entry, f.result() if not f.exception() else None,
+                                                         f.exception()))
+
+    def _planned(self, entry: _Split, batches: list[list[int]] | None, error: BaseException | None = None) -> None:
+        """A split's indices are known: its batches may be produced."""
+        with self._cond:
+            split = entry.split
+            if self._splits.get(split.split_id) is not entry:
+                return  # released meanwhile
+            if error is not None:
+                log.error("cannot compute a split's indices: %s", error,
+                          extra=fields(job_id=split.job_id, split_id=split.split_id))
+            entry.batches, entry.error = batches, error
+            queue = self._queue((split.job_id, split.consumer_index))
+            delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
+            for key in split_keys(split):
                 if key.seq in delivered and key not in self._waiters:
                     continue
                 entry.unproduced.add(key)
                 queue.add(key, urgent=key in self._waiters)
-                self._unknown_since.pop(key, None)
-            self._splits[split.split_id] = entry
             self._cond.notify_all()
 
     def release(self, split_ids) -> None:
@@ -263,7 +288,7 @@ class Scheduler:
                          if q.idle or not self._budget.room(c, active)}
             self._saturated = saturated
             busy = sum(1 for e in self._splits.values()
-                       if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated)
+                       if (e.unproduced or (e.batches is None and e.error is None)) and (e.split.job_id, e.split.consumer_index) not in saturated)
             return max(0, max_held_splits - busy), sorted(saturated)
 
     def depth(self) -> tuple[int, int]:
@@ -309,8 +334,11 @@ class Scheduler:
             if key in self._running:
                 return
             if key in self._where:
-                # Pending, or sent before and asked again: (re)produce it first.
-                queue.add(key, urgent=True)
+                # Pending, or sent before and asked again: (re)produce it first
+                # (once its indices are known: _planned queues the waited ones).
+                if self._splits[self._where[key][0]].batches is not None or self._splits[
+                        self._where[key][0]].error is not None:
+                    queue.add(key, urgent=True)
             else:
                 self._unknown_since.setdefault(key, time.monotonic())
             self._cond.notify_all()
@@ -416,13 +444,18 @@ class Scheduler:
                     self._ahead.add(key)
                     self._budget.started(key.consumer)
                 split_id, offset = self._where[key]
-                split = self._splits[split_id].split
+                entry = self._splits[split_id]
                 task = Task(key.job_id, self._job_path(key.job_id), key.consumer_index, key.epoch,
-                            key.seq, list(split.batches[offset].indices), split.base_seed)
-                try:
-                    future = self._pool.submit(produce, task)
-                except RuntimeError:  # closing
-                    return
+                            key.seq, entry.batches[offset] if entry.error is None else [],
+                            entry.split.base_seed)
+                if entry.error is not None:
+                    future = Future()
+                    future.set_result(crash_frame(task, entry.error, self._address, stage="plan"))
+                else:
+                    try:
+                        future = self._pool.submit(produce, task)
+                    except RuntimeError:  # closing
+                        return
                 self._running[key] = future
                 self.meter.running(len(self._running))
                 future.add_done_callback(lambda f, key=key, task=task: self._done(key, task, f))
@@ -474,3 +507,4 @@ class Scheduler:
             runner.close()
         if self._thread.is_alive():
             self._thread.join()
+        self._planner.shutdown(wait=False, cancel_futures=True)  # a long draw ends by itself

@@ -36,8 +36,10 @@ def test_plan_and_message_limits_of_the_dispatcher():
             with pytest.raises(dpex.DpexConfigError, match="a plan of 12 batches is over this dispatcher's "
                                                            r"limit of 10 \(--max-plan-batches\)"):
                 iter(dl)
-        # A plan of 8 batches of 2500 indices (~60 kB) is over 10 kB: refused before any servicer runs.
-        with dpex.RemoteDataLoader(c.address, squares(20000), batch_size=2500, timeout=30) as dl:
+        # An explicit plan (chunks of up to 2 MB): 8 batches of 2500 indices (~60 kB) are over 10 kB,
+        # refused before any servicer runs. (Described plans are a few bytes.)
+        with dpex.RemoteDataLoader(c.address, squares(20000), batch_size=2500, timeout=30,
+                                   compact_plans=False) as dl:
             with pytest.raises(dpex.DpexConfigError, match="refused a message over its size limit"):
                 iter(dl)
         with dpex.RemoteDataLoader(c.address, squares(40), batch_size=B, timeout=30) as dl:

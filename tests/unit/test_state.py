@@ -42,7 +42,8 @@ def test_plan_is_cut_into_splits_and_assigned_lowest_first():
     register(s, "a"), register(s, "b"), create_job(s)
     plan = submit(s, 7, split=2)
     assert plan.num_batches == 7 and len(plan.split_ids) == 4
-    assert [len(s.splits[i].batches) for i in plan.split_ids] == [2, 2, 2, 1]
+    assert [plan.split_batches(i) for i in range(plan.num_splits)] == [2, 2, 2, 1]
+    assert s.splits == {}  # made only when handed out
     assert firsts(s, assign(s, "a", 1)) == [(0, 0)]
     assert firsts(s, assign(s, "b", 2)) == [(0, 2), (0, 4)]
     assert firsts(s, assign(s, "a", 5)) == [(0, 6)]
@@ -89,7 +90,7 @@ def test_restarted_worker_on_same_address_replaces_the_old_one():
     submit(s, 4)
     assign(s, "a", 2)
     register(s, "a2", "h:1")
-    assert "a" not in s.workers and len(s.unassigned[7]) == 2
+    assert "a" not in s.workers and s.unassigned(7) == 2
 
 
 def test_same_plan_again_keeps_progress_and_new_plan_replaces_it():
@@ -144,7 +145,7 @@ class Recording(DispatcherState):
 def snapshot(st):
     return ({k: (v.alive, sorted(v.held)) for k, v in st.workers.items()},
             {k: (v.worker_id, sorted(v.delivered), v.first_seq) for k, v in st.splits.items()},
-            {k: sorted(v) for k, v in st.unassigned.items()}, st.next_split_id)
+            {k: st.unassigned(k) for k in st.jobs}, st.next_split_id)
 
 
 def test_replay_rebuilds_the_same_state():
@@ -171,7 +172,7 @@ def test_a_worker_gets_no_splits_of_consumers_it_is_saturated_with():
     register(s, "a"), create_job(s, job_id=7), create_job(s, job_id=8)
     submit(s, 6, job_id=7), submit(s, 6, job_id=8)
     chosen = s.choose_splits("a", 4, saturated=frozenset({(7, 0)}))  # job 7's trainer is slow
-    assert {s.splits[i].job_id for i in chosen} == {8} and len(chosen) == 3
+    assert {s.plan_of(i).job_id for i in chosen} == {8} and len(chosen) == 3
 
 
 def test_releasing_one_epoch_leaves_a_newer_plan_alone():
@@ -179,7 +180,7 @@ def test_releasing_one_epoch_leaves_a_newer_plan_alone():
     register(s, "a"), create_job(s)
     submit(s, 4, epoch=0), submit(s, 4, epoch=1, digest=b"h1")
     s.apply(jpb.Update(release_consumer=jpb.ReleaseConsumer(job_id=7, consumer_index=0, epoch=0)))
-    assert s.plan(7, 0, 1) is not None and len(s.splits) == 2  # epoch 1's splits stay
+    assert s.plan(7, 0, 1) is not None and s.unassigned(7) == 2  # epoch 1's splits stay
     s.apply(jpb.Update(release_consumer=jpb.ReleaseConsumer(job_id=7, consumer_index=0, epoch=1)))
     assert s.plan(7, 0, 1) is None and not s.splits
 

@@ -1,0 +1,1 @@
+"""Epoch plans: torch samplers described (samplers), explicit batches chunked (spec)."""

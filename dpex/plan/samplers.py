@@ -1,0 +1,193 @@
+"""torch's own samplers as descriptions, and their index batches computed
+from a description, bit-identical to what torch's samplers yield.
+
+The trainer runs :func:`describe` where torch would run the sampler: it
+consumes the random numbers torch would consume (RandomSampler draws a seed
+from torch's global RNG, or advances the user's generator) and returns a few
+numbers instead of every index. Whoever needs a split's batches calls
+:func:`batches`, which runs the same torch operations (``randperm``,
+``randint``) on a generator in the same state. torch does not promise that
+another version draws the same numbers, so a description carries the
+trainer's torch version and one with another is refused (:func:`check_version`).
+
+torch is imported on first use: a worker daemon that never expands a
+description does not pay for it.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from collections import OrderedDict
+from typing import Any
+
+from dpex.errors import DpexConfigError
+from dpex.proto import dispatcher_pb2 as dpb
+
+Spec = dpb.SamplerSpec
+_CACHED_ORDERS = 4  # epochs' orders a process keeps (current and next, of a few jobs)
+
+
+def torch_version() -> str:
+    """The torch release whose samplers this process runs ("2.13.0"; no build tag:
+    CPU and CUDA wheels of a release draw the same numbers on the CPU generator)."""
+    import torch
+    return torch.__version__.split("+")[0]
+
+
+def check_version(spec: Spec) -> None:
+    """Refuses a description made by another torch release: its samplers may differ."""
+    mine = torch_version()
+    if spec.torch_version != mine:
+        raise DpexConfigError(
+            f"the trainer described this epoch's sampler with torch {spec.torch_version}, but this worker "
+            f"has torch {mine}, whose samplers may draw other indices; install the same torch release "
+            "on trainers and workers")
+
+
+# ---- the trainer's side ---------------------------------------------------------------------
+def describe(loader: Any) -> Spec | None:
+    """The description of the epoch ``iter(loader)`` would plan next, for a
+    DataLoader whose iterator was just made (its base seed drawn); None when
+    its sampler is not one of torch's own (the caller then iterates it).
+    Random numbers are consumed as torch's sampler would."""
+    import torch.utils.data as tud
+    batch_sampler, sampler = loader.batch_sampler, loader.sampler
+    if type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
+        return None
+    kind = type(sampler)
+    if kind not in (tud.SequentialSampler, tud.RandomSampler, tud.DistributedSampler):
+        return None
+    if kind is tud.RandomSampler and sampler.generator is not None and sampler.generator.device.type != "cpu":
+        return None
+    # The indices are positions in the sampler's own data source, which need not be the dataset.
+    source = sampler.dataset if kind is tud.DistributedSampler else sampler.data_source
+    spec = Spec(torch_version=torch_version(), length=len(source), batch_size=batch_sampler.batch_size,
+                drop_last=batch_sampler.drop_last)
+    if kind is tud.SequentialSampler:
+        spec.kind = Spec.SEQUENTIAL
+    elif kind is tud.RandomSampler:
+        import torch
+        spec.kind = Spec.RANDOM
+        spec.replacement, spec.num_samples = sampler.replacement, sampler.num_samples
+        if sampler.generator is None:  # as RandomSampler.__iter__: a seed from the global RNG
+            spec.seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        else:
+            spec.generator_state = zlib.compress(sampler.generator.get_state().numpy().tobytes())
+            _draw(spec, sampler.generator)  # leaves the user's generator where torch would
+    elif kind is tud.DistributedSampler:
+        spec.kind = Spec.DISTRIBUTED
+        spec.seed, spec.shuffle = sampler.seed + sampler.epoch, sampler.shuffle
+        spec.num_replicas, spec.rank, spec.sampler_drop_last = (sampler.num_replicas, sampler.rank,
+                                                                sampler.drop_last)
+    return spec
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+def num_samples(spec: Spec) -> int:
+    """len(sampler)."""
+    if spec.kind == Spec.RANDOM:
+        return spec.num_samples
+    if spec.kind == Spec.DISTRIBUTED:
+        n, replicas = spec.length, spec.num_replicas
+        if spec.sampler_drop_last and n % replicas:
+            return math.ceil((n - replicas) / replicas)
+        return math.ceil(n / replicas)
+    return spec.length
+
+
+def num_batches(spec: Spec) -> int:
+    """len(batch_sampler)."""
+    whole, part = divmod(num_samples(spec), spec.batch_size)
+    return whole if spec.drop_last or not part else whole + 1
+
+
+# ---- whoever needs a split's batches ----------------------------------------------------------
+def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
+    """Index batches ``first`` .. ``first + count - 1`` of the described epoch."""
+    check_version(spec)
+    total = num_samples(spec)
+    size = spec.batch_size
+    start, stop = first * size, min(total, (first + count) * size)
+    if spec.drop_last:
+        stop = min(stop, (total // size) * size)
+    if start >= stop:
+        return []
+    if spec.kind == Spec.SEQUENTIAL:
+        flat = list(range(start, stop))
+    elif spec.kind == Spec.RANDOM:
+        flat = _order(spec)[start:stop].tolist()
+    else:
+        flat = _distributed(spec, start, stop)
+    return [flat[i:i + size] for i in range(0, len(flat), size)]
+
+
+def _distributed(spec: Spec, start: int, stop: int) -> list[int]:
+    # DistributedSampler pads (or cuts) the order to total_size, padded[i] =
+    # order[i % n], and takes every num_replicas-th from rank: its j-th index
+    # is order[(rank + j * num_replicas) % n].
+    import torch
+    n = spec.length
+    positions = (torch.arange(start, stop, dtype=torch.int64) * spec.num_replicas + spec.rank) % n
+    if not spec.shuffle:
+        return positions.tolist()
+    return _order(spec)[positions].tolist()
+
+
+_cache: OrderedDict[bytes, Any] = OrderedDict()
+_cache_lock = threading.Lock()
+_computing: dict[bytes, threading.Lock] = {}
+
+
+def _order(spec: Spec) -> Any:
+    """The whole sampler order of a random description (the shared permutation
+    of a DistributedSampler's ranks), computed once per process and epoch."""
+    key = Spec(kind=spec.kind, length=spec.length, replacement=spec.replacement, num_samples=spec.num_samples,
+               seed=spec.seed, generator_state=spec.generator_state,
+               shuffle=spec.shuffle).SerializeToString(deterministic=True)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+        lock = _computing.setdefault(key, threading.Lock())
+    with lock:  # one thread computes it; the others wait for it
+        with _cache_lock:
+            if key in _cache:
+                return _cache[key]
+        order = _compute(spec)
+        with _cache_lock:
+            _cache[key] = order
+            _computing.pop(key, None)
+            while len(_cache) > _CACHED_ORDERS:
+                _cache.popitem(last=False)
+        return order
+
+
+def _generator(spec: Spec) -> Any:
+    import torch
+    g = torch.Generator()
+    if spec.generator_state:
+        state = torch.frombuffer(bytearray(zlib.decompress(spec.generator_state)), dtype=torch.uint8)
+        g.set_state(state)
+    else:
+        g.manual_seed(spec.seed)
+    return g
+
+
+def _compute(spec: Spec) -> Any:
+    import torch
+    n = spec.length
+    if spec.kind == Spec.DISTRIBUTED:  # DistributedSampler: randperm of a generator seeded seed + epoch
+        return torch.randperm(n, generator=_generator(spec))
+    return _draw(spec, _generator(spec))
+
+
+def _draw(spec: Spec, generator: Any) -> Any:
+    """RandomSampler's draws from ``generator``, as one tensor (torch draws the
+    same numbers in one call as in its chunks of 32; tests/unit/test_samplers.py)."""
+    import torch
+    n, total = spec.length, spec.num_samples
+    if spec.replacement:
+        return torch.randint(high=n, size=(total,), dtype=torch.int64, generator=generator)
+    perms = [torch.randperm(n, generator=generator) for _ in range(total // n + 1)]
+    return torch.cat(perms)[:total] if len(perms) > 1 else perms[0][:total]

@@ -1,0 +1,38 @@
+"""What identifies a plan (its hash), and explicit plans cut into bounded chunks."""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator
+
+from dpex.proto import dispatcher_pb2 as dpb
+
+CHUNK_INDICES = 1 << 18  # indices per SubmitPlan message of an explicit plan (2 MB on the wire)
+
+
+class PlanHash:
+    """sha256 of a plan: the same epoch submitted again (a reconnect) hashes the same."""
+
+    def __init__(self, base_seed: int, num_streams: int, sampler: dpb.SamplerSpec | None = None) -> None:
+        self._h = hashlib.sha256(base_seed.to_bytes(8, "little") + num_streams.to_bytes(4, "little"))
+        if sampler is not None:
+            self._h.update(b"sampler" + sampler.SerializeToString(deterministic=True))
+
+    def update(self, batches: Iterable[dpb.IndexBatch]) -> None:
+        for batch in batches:
+            self._h.update(batch.SerializeToString())
+            self._h.update(b"|")
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> Iterator[list[dpb.IndexBatch]]:
+    """Consecutive runs of whole batches, each of at most ``max_indices``
+    indices (or one batch, if a single batch is larger); at least one run."""
+    start, count = 0, 0
+    for i, batch in enumerate(batches):
+        if count and count + len(batch.indices) > max_indices:
+            yield batches[start:i]
+            start, count = i, 0
+        count += len(batch.indices)
+    yield batches[start:]
