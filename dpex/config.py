@@ -26,11 +26,12 @@ class DispatcherConfig:
     allow_unauthenticated: bool = False  # without a token: accept jobs from non-loopback peers too
     tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
     tls_key_file: str | None = None
-    max_message_bytes: int = 256 << 20   # largest request taken (a plan is one message)
+    max_message_bytes: int = 256 << 20   # largest request taken (explicit plans come in 2 MB chunks)
     max_plan_batches: int = 10_000_000   # largest epoch plan taken, in batches
     metrics_port: int | None = None      # Prometheus endpoint; None: none, 0: a free port
     job_gc_timeout_s: float = 300.0      # a job without consumers this long is removed; 0: never
     worker_gc_timeout_s: float = 600.0   # a lost or left worker is forgotten after this; 0: never
+    journal_compact_bytes: int = 256 << 10  # a log past this (and twice the snapshot) is snapshotted; 0: never
 
     def __post_init__(self) -> None:
         _check(self.job_gc_timeout_s >= 0 and self.worker_gc_timeout_s >= 0,
@@ -40,6 +41,7 @@ class DispatcherConfig:
         _check(1 << 10 <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
                f"max_message_bytes must be in 1 KiB..1 GiB, got {self.max_message_bytes}")
         _check(self.max_plan_batches >= 1, "max_plan_batches must be >= 1")
+        _check(self.journal_compact_bytes >= 0, "journal_compact_bytes must be >= 0 (0: never)")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "bad metrics_port")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s must exceed heartbeat_interval_s")

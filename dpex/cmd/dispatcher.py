@@ -17,7 +17,8 @@ from dpex.errors import DpexError
               help="Address to bind.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, envvar="DPEX_WORK_DIR",
               show_envvar=True, help="Directory of the journal: every state change is written (fsync'd) "
-              "there first and replayed on start. Without it, state is in memory only.")
+              "there first; a restart reads the last snapshot and the log after it. Without it, state is "
+              "in memory only.")
 @click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds between worker heartbeats (the long-poll length).")
 @click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
@@ -32,9 +33,12 @@ from dpex.errors import DpexError
               show_envvar=True, help="Seconds after which a lost or drained worker is forgotten (0: never).")
 @click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
-@message_limit_option(256, "Largest request taken, in MiB (an epoch plan is one request).")
+@message_limit_option(256, "Largest request taken, in MiB (a plan of explicit indices comes in 2 MiB chunks).")
 @click.option("--max-plan-batches", type=int, default=10_000_000, envvar="DPEX_MAX_PLAN_BATCHES",
               show_envvar=True, help="Largest epoch plan taken, in batches.")
+@click.option("--journal-compact-kb", type=int, default=256, envvar="DPEX_JOURNAL_COMPACT_KB",
+              show_envvar=True, help="With --work-dir: once the log passes this many KiB (and twice the last "
+              "snapshot), a snapshot of the live state replaces it (0: never).")
 @metrics_option
 @log_options
 @auth_options
@@ -42,7 +46,7 @@ from dpex.errors import DpexError
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
          heartbeat_timeout: float, consumer_timeout: float, job_gc_timeout: float, worker_gc_timeout: float,
          split_size: int, max_message_mb: float,
-         max_plan_batches: int, metrics_port: int | None, log_level: str, log_format: str,
+         max_plan_batches: int, journal_compact_kb: int, metrics_port: int | None, log_level: str, log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool, tls_cert: str | None,
          tls_key: str | None, ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
@@ -66,7 +70,8 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
                                   allow_unauthenticated=allow_unauthenticated,
                                   tls_cert_file=tls_cert, tls_key_file=tls_key,
                                   max_message_bytes=int(max_message_mb * 2**20),
-                                  max_plan_batches=max_plan_batches, metrics_port=metrics_port)
+                                  max_plan_batches=max_plan_batches, metrics_port=metrics_port,
+                                  journal_compact_bytes=journal_compact_kb << 10)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

@@ -1,4 +1,5 @@
-"""The dispatcher's journal: one append-only file of Update records.
+"""The dispatcher's journal: an append-only file of Update records (the log
+that follows a snapshot, dpex.dispatcher.store).
 
 Each record is ``u32 length | u32 crc32 | serialized dpex.v1.Update``, written
 and fsync'd before the update takes effect. On start the records are
@@ -46,18 +47,31 @@ def read_records(path: str) -> tuple[list[jpb.Update], int]:
     return updates, good
 
 
+def fsync_dir(path: str) -> None:
+    """Makes a directory's entries (a file created or renamed) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Journal:
     """Appends updates durably; ``replay()`` yields what an earlier run wrote."""
 
-    def __init__(self, work_dir: str) -> None:
+    def __init__(self, work_dir: str, name: str = FILE_NAME) -> None:
         os.makedirs(work_dir, exist_ok=True)
-        self.path = os.path.join(work_dir, FILE_NAME)
+        self.path = os.path.join(work_dir, name)
+        existed = os.path.exists(self.path)
         self._updates, good = read_records(self.path)
         self._file = open(self.path, "ab")
         if self._file.tell() != good:  # drop the torn tail before appending
             self._file.truncate(good)
             self._file.seek(good)
             os.fsync(self._file.fileno())
+        if not existed:
+            fsync_dir(work_dir)
+        self.size = good
 
     def replay(self) -> Iterator[jpb.Update]:
         updates, self._updates = self._updates, []
@@ -66,6 +80,7 @@ class Journal:
     def append(self, update: jpb.Update) -> None:
         payload = update.SerializeToString()
         self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        self.size += _HEADER.size + len(payload)
         self._file.flush()
         os.fsync(self._file.fileno())
 

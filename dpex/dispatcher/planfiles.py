@@ -19,6 +19,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from dpex.dispatcher.journal import fsync_dir
 from dpex.errors import DpexConfigError, DpexNotFoundError
 from dpex.plan.spec import PlanHash
 from dpex.proto import dispatcher_pb2 as dpb
@@ -99,7 +100,7 @@ class PlanFiles:
             f.close()
         os.replace(self._path(upload.name + ".tmp"), self._path(upload.name))
         os.replace(self._path(upload.name + ".splits.tmp"), self._path(upload.name + ".splits"))
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return upload.name, upload.num_batches, upload.hash.digest()
 
     def read(self, name: str, index: int, count: int) -> list[dpb.IndexBatch]:
@@ -148,10 +149,3 @@ class PlanFiles:
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

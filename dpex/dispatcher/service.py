@@ -12,7 +12,7 @@ import time
 import grpc
 
 from dpex.config import DispatcherConfig
-from dpex.dispatcher.journal import Journal
+from dpex.dispatcher.store import Store
 from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.state import DispatcherState, Plan
@@ -50,24 +50,23 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._cond = threading.Condition()
         self._seen = Liveness()
         self._started = time.monotonic()
-        self._journal = Journal(config.work_dir) if config.work_dir else None
+        self._store = Store(config.work_dir, config.journal_compact_bytes) if config.work_dir else None
         self._own_plan_dir = None if config.work_dir else temp_dir("dispatcher")
         self._plan_files = PlanFiles(os.path.join(config.work_dir, "plans") if config.work_dir
                                      else self._own_plan_dir)
-        if self._journal is not None:
-            count = 0
-            for update in self._journal.replay():
-                self._state.apply(update)
-                count += 1
-            # Replayed workers get a whole timeout to heartbeat again.
+        if self._store is not None:
+            started = time.monotonic()
+            self._state = self._store.recover()
+            # Recovered workers get a whole timeout to heartbeat again.
             for w in self._state.workers.values():
                 self._seen.worker(w.worker_id) if w.alive else self._seen.lost(w.worker_id)
             for job in self._state.jobs.values():
                 self._seen.job(job.job_id)
                 for c in job.plans:
                     self._seen.consumer(job.job_id, c)
-            log.info("replayed %d journal records from %s: %d workers, %d jobs", count,
-                     self._journal.path, len(self._state.alive_workers()), len(self._state.jobs))
+            log.info("recovered from %s (snapshot generation %d + %d log records) in %.2fs: %d workers, %d jobs",
+                     config.work_dir, self._store.generation, self._store.replayed, time.monotonic() - started,
+                     len(self._state.alive_workers()), len(self._state.jobs))
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="dpex-reaper", daemon=True)
         self._reaper.start()
@@ -78,9 +77,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
             self._cond.notify_all()
         if self._reaper.is_alive() and self._reaper is not threading.current_thread():
             self._reaper.join()
-        if self._journal is not None:
+        if self._store is not None:
             with self._cond:
-                self._journal.close()
+                self._store.close()
         self._plan_files.close()
         if self._own_plan_dir is not None:
             import shutil
@@ -89,9 +88,11 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def _apply(self, **kind) -> object:
         """Journals one update, then applies it; the caller holds self._cond."""
         update = jpb.Update(**kind)
-        if self._journal is not None:
-            self._journal.append(update)  # durable before it takes effect
+        if self._store is not None:
+            self._store.append(update)  # durable before it takes effect
         result = self._state.apply(update)
+        if self._store is not None and self._store.due():
+            self._store.compact(self._state)  # the log restarts from a snapshot of the live state
         self._cond.notify_all()
         return result
 
@@ -250,7 +251,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 f"job {job_id}{f' ({name!r})' if name else ''} {JOB_COLLECTED}: no call from its trainers "
                 f"for --job-gc-timeout {self._config.job_gc_timeout_s:g}s; a new loader makes a fresh job")
         if job is None:
-            hint = "" if self._journal else " (a dispatcher restarted without --work-dir forgets its jobs)"
+            hint = "" if self._store else " (a dispatcher restarted without --work-dir forgets its jobs)"
             raise DpexNotFoundError(f"unknown job {job_id}{hint}")
         return job
 

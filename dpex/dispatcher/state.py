@@ -212,9 +212,7 @@ class DispatcherState:
                     sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
                     inline=list(u.batches))
         self.next_split_id += num_splits
-        if num_splits:
-            self._starts.append(plan.first_split_id)
-            self._by_start[plan.first_split_id] = plan
+        self.track(plan)
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
         job.closed.discard(u.consumer_index)
@@ -264,6 +262,12 @@ class DispatcherState:
             return  # with an epoch: a newer plan of the consumer's is not touched
         del self.jobs[u.job_id].plans[u.consumer_index]
         self._cancel(plan)
+
+    def track(self, plan: Plan) -> None:
+        """Makes a plan's split ids found (from apply, or restoring a snapshot)."""
+        if plan.num_splits:
+            bisect.insort(self._starts, plan.first_split_id)
+            self._by_start[plan.first_split_id] = plan
 
     # ---- helpers (called only from apply) ----------------------------------
     def plan_of(self, split_id: int) -> Plan | None:

@@ -1,5 +1,6 @@
 """kill -9 of the dispatcher mid-epoch: with --work-dir it replays its journal
 and the epoch completes exactly once; without, trainers get a clear error."""
+import random
 import subprocess
 import sys
 import os
@@ -38,3 +39,22 @@ def test_restart_without_work_dir_fails_clearly(tmp_path):
                 for i, _ in enumerate(dl):
                     if i == 5:
                         c.restart_dispatcher()
+
+
+def test_kill_at_random_points_with_snapshots_every_few_records_loses_nothing(tmp_path):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kills = {(epoch, rng.randrange(len(EXPECTED))) for epoch in range(3) for _ in range(2)}
+    # A snapshot every kilobyte of log: a kill often lands in or next to one.
+    with test_cluster(num_workers=2, work_dir=str(tmp_path), dispatcher_flags=("--journal-compact-kb", "1")) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, timeout=60, job_name="kills") as dl:
+            for epoch in range(3):
+                got = []
+                for i, batch in enumerate(dl):
+                    got.append(batch["y"].tolist())
+                    if (epoch, i) in kills:
+                        c.restart_dispatcher()
+                assert got == EXPECTED, f"seed {seed}"
+        files = sorted(os.listdir(tmp_path))
+        assert "snapshot" in files and len([f for f in files if f.endswith(".log")]) == 1, files
+        assert sum(os.path.getsize(os.path.join(tmp_path, f)) for f in files if f != "plans") < 16 << 10

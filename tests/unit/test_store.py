@@ -1,0 +1,115 @@
+"""Snapshot + log: a compaction keeps the state, bounds the disk, and survives a kill at any step."""
+import os
+import random
+
+import pytest
+
+from dpex.dispatcher import snapshot, store as store_mod
+from dpex.dispatcher.state import DispatcherState
+from dpex.dispatcher.store import Store
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import journal_pb2 as jpb
+
+
+def history(epochs, rng=None):
+    """Updates of a job with two consumers over ``epochs`` short epochs, a worker lost on the way."""
+    rng = rng or random.Random(0)
+    yield jpb.Update(register_worker=jpb.RegisterWorker(worker_id="w1", address="h:1"))
+    yield jpb.Update(register_worker=jpb.RegisterWorker(worker_id="w2", address="h:2"))
+    yield jpb.Update(create_job=jpb.CreateJob(job_id=5, job=dpb.JobDef(name="j", dataset=b"d", num_consumers=2)))
+    split_id = 1
+    for epoch in range(epochs):
+        for consumer in range(2):
+            yield jpb.Update(submit_plan=jpb.SubmitPlan(
+                job_id=5, consumer_index=consumer, epoch=epoch, plan_hash=b"%d" % epoch, split_size=2,
+                num_batches=6, sampler=dpb.SamplerSpec(length=60, batch_size=10, seed=epoch)))
+        ids = list(range(split_id, split_id + 6))
+        split_id += 6
+        yield jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w1", split_ids=ids[:3]))
+        yield jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w2", split_ids=ids[3:]))
+        for consumer in range(2):
+            seqs = list(range(6))
+            rng.shuffle(seqs)
+            for part in (seqs[:3], seqs[3:]):
+                yield jpb.Update(mark_delivered=jpb.MarkDelivered(job_id=5, consumer_index=consumer,
+                                                                  epoch=epoch, seqs=part))
+    # the last epoch half done when w1 is lost
+    yield jpb.Update(submit_plan=jpb.SubmitPlan(job_id=5, consumer_index=0, epoch=epochs, plan_hash=b"x",
+                                                split_size=2, num_batches=6,
+                                                sampler=dpb.SamplerSpec(length=60, batch_size=10)))
+    yield jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w1", split_ids=[split_id, split_id + 1]))
+    yield jpb.Update(mark_delivered=jpb.MarkDelivered(job_id=5, consumer_index=0, epoch=epochs, seqs=[0, 2]))
+    yield jpb.Update(worker_lost=jpb.WorkerLost(worker_id="w1"))
+
+
+def same(a: DispatcherState, b: DispatcherState) -> bool:
+    return snapshot.take(a) == snapshot.take(b)
+
+
+def test_a_snapshot_restores_the_same_state_and_it_goes_on_the_same():
+    live = DispatcherState()
+    for u in history(3):
+        live.apply(u)
+    again = snapshot.restore(snapshot.take(live))
+    assert same(live, again)
+    more = jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w2", split_ids=live.choose_splits("w2", 3)))
+    live.apply(more), again.apply(more)
+    assert same(live, again) and live.workers["w2"].held == again.workers["w2"].held != set()
+
+
+def disk(path):
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def run(path, epochs, compact_bytes=4096):
+    s = Store(str(path), compact_bytes)
+    state = s.recover()
+    for u in history(epochs):
+        s.append(u)
+        state.apply(u)
+        if s.due():
+            s.compact(state)
+    s.close()
+    return state
+
+
+def test_disk_and_restart_follow_the_live_state_not_the_history(tmp_path):
+    short, long = tmp_path / "short", tmp_path / "long"
+    a, b = run(short, 10), run(long, 1000)
+    assert disk(long) <= 1.5 * max(disk(short), 8192)
+    again = Store(str(long), 4096)
+    assert same(again.recover(), b) and again.replayed < 200
+    again.close()
+
+
+@pytest.mark.parametrize("step", ["write", "rename", "new-log", "delete"])
+def test_a_kill_at_any_step_of_a_compaction_loses_nothing(tmp_path, monkeypatch, step):
+    s = Store(str(tmp_path), 0)
+    state = s.recover()
+    for u in history(4):
+        s.append(u)
+        state.apply(u)
+
+    class Killed(BaseException):
+        pass
+
+    def die(*a, **k):
+        raise Killed
+
+    target = {"write": (os, "fsync"), "rename": (os, "replace"), "new-log": (store_mod, "Journal"),
+              "delete": (os, "unlink")}[step]
+    with monkeypatch.context() as m:
+        m.setattr(*target, die)  # "write": the fsync of snapshot.tmp, the compaction's first
+        with pytest.raises(Killed):
+            s.compact(state)
+    recovered = Store(str(tmp_path), 0)
+    assert same(recovered.recover(), state)
+    tail = list(history(5))[-3:]  # and it takes more updates, durably
+    for u in tail:
+        recovered.append(u)
+        state.apply(u)
+    recovered.close()
+    again = Store(str(tmp_path), 0)
+    assert same(again.recover(), state)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".log")) == [store_mod.log_name(again.generation)]
+    again.close()
