@@ -10,7 +10,6 @@ are deleted once no plan refers to them.
 """
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import sys
@@ -24,8 +23,6 @@ from dpex.errors import DpexConfigError, DpexNotFoundError
 from dpex.plan.spec import PlanHash
 from dpex.proto import dispatcher_pb2 as dpb
 
-log = logging.getLogger("dpex.dispatcher")
-
 _COUNT = struct.Struct("<I")
 _OFFSET = struct.Struct("<Q")
 _MAX_UPLOADS = 1024  # unfinished uploads kept; the oldest is dropped (its trainer starts again)
@@ -35,7 +32,6 @@ _YOUNG_S = 60.0      # a file this new may belong to a plan about to be journale
 @dataclass
 class _Upload:
     name: str
-    split_size: int
     hash: PlanHash
     data: object
     index: object
@@ -56,15 +52,16 @@ class PlanFiles:
         self._lock = threading.Lock()
 
     def add(self, upload_id: int, chunk: int, batches: list[dpb.IndexBatch], split_size: int,
-            meta: tuple, base_seed: int) -> _Upload:
-        """Appends chunk ``chunk`` of an upload; a chunk sent again (a retry) is ignored."""
+            meta: tuple) -> _Upload:
+        """Appends chunk ``chunk`` of an upload started for ``meta`` (job, consumer,
+        epoch, base seed); a chunk sent again (a retry) is ignored."""
         with self._lock:
             upload = self._uploads.get(upload_id)
             if chunk == 0 and (upload is None or upload.next_chunk > 1 or upload.meta != meta):
                 if upload is not None:
                     self._abandon(upload_id)
                 name = f"plan-{upload_id:016x}-{meta[2]}"
-                upload = _Upload(name, split_size, PlanHash(base_seed, 0),
+                upload = _Upload(name, PlanHash(meta[3], 0),
                                  open(self._path(name + ".tmp"), "wb"), open(self._path(name + ".splits.tmp"), "wb"),
                                  meta=meta)
                 self._uploads[upload_id] = upload

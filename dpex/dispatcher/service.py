@@ -278,7 +278,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._job(request.job_id)
             upload_id = request.upload_id or secrets.randbits(63) + 1
             upload = self._plan_files.add(upload_id, request.chunk, request.batches,
-                                          self._config.split_size_batches, meta, request.base_seed)
+                                          self._config.split_size_batches, meta)
             if upload.num_batches > self._config.max_plan_batches:
                 raise DpexConfigError(f"a plan of more than {self._config.max_plan_batches} batches is over "
                                       "this dispatcher's limit (--max-plan-batches)")
@@ -331,11 +331,10 @@ class DispatcherService(dgrpc.DispatcherServicer):
                     epoch=request.epoch, seqs=request.delivered_seqs))
             # The batch the consumer waits for must have an owner now, even if
             # every worker is full (of batches the consumer cannot take before it).
-            waited = self._state.split_at(plan, request.next_seq)
+            waited = self._state.unassigned_split_of(plan, request.next_seq)
             target = self._state.least_loaded_worker()
-            if waited is not None and (waited[1] is None or waited[1].worker_id is None) and target is not None:
-                self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id,
-                                                           split_ids=[plan.first_split_id + waited[0]]))
+            if waited is not None and target is not None:
+                self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id, split_ids=[waited]))
             # Long-poll until the owners change, so the trainer learns of a
             # new assignment at once without polling.
             while True:

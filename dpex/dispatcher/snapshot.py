@@ -63,15 +63,11 @@ def restore(snap: jpb.Snapshot) -> DispatcherState:
         if definition.name:
             state.jobs_by_name[definition.name] = job.job_id
         for p in j.plans:
-            u = p.submitted
-            num_splits = u.num_streams or -(-u.num_batches // max(1, u.split_size))
-            plan = Plan(u.job_id, u.consumer_index, u.epoch, u.plan_hash, max(1, u.split_size), u.num_batches,
-                        p.first_split_id, num_splits, u.base_seed, u.num_streams,
-                        sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
-                        inline=list(u.batches), num_delivered=p.num_delivered, next_index=p.next_index,
-                        early=set(p.early), returned=list(p.returned), done=p.done)
+            plan = Plan.from_record(p.submitted, p.first_split_id, num_delivered=p.num_delivered,
+                                    next_index=p.next_index, early=set(p.early), returned=list(p.returned),
+                                    done=p.done)
             heapq.heapify(plan.returned)
-            job.plans[u.consumer_index] = plan
+            job.plans[plan.consumer_index] = plan
             for s in p.splits:
                 split_id = plan.first_split_id + s.index
                 split = state.splits[split_id] = Split(split_id, plan, s.index, s.worker_id or None,

@@ -59,6 +59,16 @@ class Plan:
     live: set[int] = field(default_factory=set)       # split ids handed out and not done
     done: int = 0                 # splits delivered or cancelled
 
+    @classmethod
+    def from_record(cls, u: jpb.SubmitPlan, first_split_id: int, **progress: Any) -> "Plan":
+        """The plan a SubmitPlan record makes (with ``progress`` as a snapshot keeps it)."""
+        size = max(1, u.split_size)
+        num_batches = u.num_batches or len(u.batches)  # older records hold their batches
+        return cls(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches, first_split_id,
+                   u.num_streams or -(-num_batches // size), u.base_seed, u.num_streams,
+                   sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
+                   inline=list(u.batches), **progress)
+
     @property
     def split_ids(self) -> range:
         return range(self.first_split_id, self.first_split_id + self.num_splits)
@@ -204,14 +214,8 @@ class DispatcherState:
             return old  # the same plan again: a reconnect, keep the progress
         if old is not None:
             self._cancel(old)
-        size = max(1, u.split_size)
-        num_batches = u.num_batches or len(u.batches)
-        num_splits = u.num_streams or -(-num_batches // size)
-        plan = Plan(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches,
-                    self.next_split_id, num_splits, u.base_seed, u.num_streams,
-                    sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
-                    inline=list(u.batches))
-        self.next_split_id += num_splits
+        plan = Plan.from_record(u, self.next_split_id)
+        self.next_split_id += plan.num_splits
         self.track(plan)
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
@@ -429,16 +433,16 @@ class DispatcherState:
         options = back + ([fresh] if fresh < plan.num_splits else [])
         return min(options) if options else None
 
-    def split_at(self, plan: Plan, seq: int) -> tuple[int, Split | None] | None:
-        """(split index, its split object if handed out) of the plan's split
-        holding batch ``seq``; None when it is done or out of range."""
+    def unassigned_split_of(self, plan: Plan, seq: int) -> int | None:
+        """The id of the plan's split holding batch ``seq`` if no worker has it
+        and it is not done; else None."""
         index = seq % plan.num_streams if plan.num_streams else seq // plan.split_size
         if plan.finished or index >= plan.num_splits:
             return None
         split = self.splits.get(plan.first_split_id + index)
         if split is None and (index < plan.next_index or index in plan.early):
             return None  # delivered already
-        return index, split
+        return plan.first_split_id + index if split is None or split.worker_id is None else None
 
     def least_loaded_worker(self) -> Worker | None:
         alive = self.alive_workers()

@@ -58,6 +58,11 @@ class _Split:
     batches: list[list[int]] | None = None  # None: being computed from the epoch's sampler
     error: BaseException | None = None      # they could not be: each batch is this error
 
+    @property
+    def planned(self) -> bool:
+        """Its indices are known (or known to be an error): its batches may be produced."""
+        return self.batches is not None or self.error is not None
+
 
 @dataclass
 class _Queue:
@@ -288,7 +293,8 @@ class Scheduler:
                          if q.idle or not self._budget.room(c, active)}
             self._saturated = saturated
             busy = sum(1 for e in self._splits.values()
-                       if (e.unproduced or (e.batches is None and e.error is None)) and (e.split.job_id, e.split.consumer_index) not in saturated)
+                       if (e.unproduced or not e.planned)
+                       and (e.split.job_id, e.split.consumer_index) not in saturated)
             return max(0, max_held_splits - busy), sorted(saturated)
 
     def depth(self) -> tuple[int, int]:
@@ -336,8 +342,7 @@ class Scheduler:
             if key in self._where:
                 # Pending, or sent before and asked again: (re)produce it first
                 # (once its indices are known: _planned queues the waited ones).
-                if self._splits[self._where[key][0]].batches is not None or self._splits[
-                        self._where[key][0]].error is not None:
+                if self._splits[self._where[key][0]].planned:
                     queue.add(key, urgent=True)
             else:
                 self._unknown_since.setdefault(key, time.monotonic())
