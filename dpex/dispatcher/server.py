@@ -7,7 +7,7 @@ from concurrent import futures
 import grpc
 
 from dpex.config import DispatcherConfig
-from dpex.dispatcher.service import DispatcherService
+from dpex.dispatcher.service import MAX_POLLS, DispatcherService
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics
@@ -22,8 +22,9 @@ class DispatcherServer:
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
         self.service = DispatcherService(config)
-        # Heartbeats long-poll, so every worker can hold a thread.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=256,
+        # Heartbeats and syncs long-poll, each holding a thread (made as needed):
+        # room for MAX_POLLS of them and for the calls that do not wait.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_POLLS + 128,
                                                               thread_name_prefix="dpex-rpc"),
                                    options=server_options(config.max_message_bytes), interceptors=server_interceptors(config.auth_token))
         dgrpc.add_DispatcherServicer_to_server(self.service, self._server)

@@ -16,6 +16,7 @@ from dpex.dispatcher.store import Store
 from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.state import DispatcherState, Plan
+from dpex.dispatcher.waiters import Waiters
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
 from dpex.plan import samplers
@@ -29,6 +30,10 @@ from dpex.rpc import servicer_method
 
 log = logging.getLogger("dpex.dispatcher")
 
+
+# Long polls (heartbeats, syncs) held at once; server.py gives the gRPC server
+# threads for as many and more. Past it a poll is answered at once.
+MAX_POLLS = 2000
 
 # JobDef fields by the loader argument that sets them.
 _ARGUMENT = {"collate": "collate_fn"}
@@ -47,7 +52,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
     def __init__(self, config: DispatcherConfig) -> None:
         self._config = config
         self._state = DispatcherState()
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._waiters = Waiters(self._lock)
         self._seen = Liveness()
         self._started = time.monotonic()
         self._store = Store(config.work_dir, config.journal_compact_bytes) if config.work_dir else None
@@ -73,12 +79,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     def close(self) -> None:
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._waiters.wake_all()
         if self._reaper.is_alive() and self._reaper is not threading.current_thread():
             self._reaper.join()
         if self._store is not None:
-            with self._cond:
+            with self._lock:
                 self._store.close()
         self._plan_files.close()
         if self._own_plan_dir is not None:
@@ -86,21 +92,22 @@ class DispatcherService(dgrpc.DispatcherServicer):
             shutil.rmtree(self._own_plan_dir, ignore_errors=True)
 
     def _apply(self, **kind) -> object:
-        """Journals one update, then applies it; the caller holds self._cond."""
+        """Journals one update, then applies it; the caller holds self._lock."""
         update = jpb.Update(**kind)
         if self._store is not None:
             self._store.append(update)  # durable before it takes effect
         result = self._state.apply(update)
-        if self._store is not None and self._store.due():
+        changes = self._state.take_changes()
+        if self._store is not None and self._store.due(changes.plans_ended > 0):
             self._store.compact(self._state)  # the log restarts from a snapshot of the live state
-        self._cond.notify_all()
+        self._waiters.wake(changes)
         return result
 
     def _reap(self) -> None:
         """Marks silent workers lost and releases silent consumers."""
         period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4)
         while not self._stop.wait(period):
-            with self._cond:
+            with self._lock:
                 alive = [w.worker_id for w in self._state.alive_workers()]
                 for worker_id in self._seen.silent_workers(alive, self._config.heartbeat_timeout_s):
                     worker = self._state.workers[worker_id]
@@ -122,7 +129,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                        for p in j.plans.values() if p.plan_file and not p.finished})
 
     def _collect(self) -> None:
-        """Garbage collection; the caller holds self._cond."""
+        """Garbage collection; the caller holds self._lock."""
         config = self._config
         if config.worker_gc_timeout_s:
             for worker_id in self._seen.lost_for(config.worker_gc_timeout_s):
@@ -159,7 +166,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         if not request.address or ":" not in request.address:
             raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
         worker_id = "w-" + secrets.token_hex(4)
-        with self._cond:
+        with self._lock:
             self._apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
             self._seen.worker(worker_id)
             self._seen.keep_workers(self._state.workers)  # one replaced on this address is gone
@@ -171,7 +178,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         deadline = time.monotonic() + self._config.heartbeat_interval_s
         held = set(request.held_split_ids)
         saturated = frozenset((c.job_id, c.consumer_index) for c in request.saturated)
-        with self._cond:
+        with self._lock:
             worker = self._state.workers.get(request.worker_id)
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
@@ -187,9 +194,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                                                split_ids=chosen))
                 release = self._state.releasable(worker.worker_id, list(held))
                 remaining = deadline - time.monotonic()
-                if worker.held - held or release or remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+                if worker.held - held or release or remaining <= 0 or self._waiters.polling >= MAX_POLLS:
+                    break  # (past MAX_POLLS polls an answer comes at once: the worker paces itself)
+                self._waiters.worker(worker.worker_id, request.want_splits > 0, remaining, context)
             response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
             for split_id in sorted(worker.held - held):
                 self._describe(self._state.splits[split_id], response.splits.add())
@@ -198,7 +205,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def DeregisterWorker(self, request, context):
-        with self._cond:
+        with self._lock:
             worker = self._state.workers.get(request.worker_id)
             if worker is not None and worker.alive:
                 log.info("worker is leaving; re-planning its splits",
@@ -222,7 +229,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             raise DpexConfigError("num_consumers must be >= 1")
         if not job.dataset:
             raise DpexConfigError("the job has no dataset")
-        with self._cond:
+        with self._lock:
             existing = self._state.find_job(job.name) if job.name else None
             if existing is not None:
                 differ = differing_fields(existing.definition, job, request.settings_only)
@@ -257,7 +264,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def GetJob(self, request, context):
-        with self._cond:
+        with self._lock:
             return dpb.GetJobResponse(job=self._job(request.job_id).definition)
 
     @servicer_method
@@ -274,7 +281,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         elif request.num_streams:
             num_batches, digest = 0, PlanHash(request.base_seed, request.num_streams).digest()
         else:  # explicit batches: on disk, chunk by chunk
-            with self._cond:
+            with self._lock:
                 self._job(request.job_id)
             upload_id = request.upload_id or secrets.randbits(63) + 1
             upload = self._plan_files.add(upload_id, request.chunk, request.batches,
@@ -288,7 +295,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         if num_batches > self._config.max_plan_batches:
             raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self._config.max_plan_batches} (--max-plan-batches)")
-        with self._cond:
+        with self._lock:
             job = self._job(request.job_id)
             if request.consumer_index >= job.definition.num_consumers:
                 raise DpexConfigError(f"consumer_index {request.consumer_index} is out of range for "
@@ -317,7 +324,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     def SyncConsumer(self, request, context):
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0)
-        with self._cond:
+        with self._lock:
             self._job(request.job_id)
             plan = self._state.plan(request.job_id, request.consumer_index, request.epoch)
             if plan is None:
@@ -343,9 +350,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                         .encode()).digest()[:16]
                 remaining = deadline - time.monotonic()
                 if (digest != request.owners_digest or remaining <= 0 or self._stop.is_set()
-                        or not context.is_active()):
+                        or not context.is_active() or self._waiters.polling >= MAX_POLLS):
                     break
-                self._cond.wait(remaining)
+                self._waiters.consumer((request.job_id, request.consumer_index), remaining, context)
             response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),
                                                 owners_digest=digest)
             for split, worker in owners:
@@ -356,7 +363,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     @servicer_method
     def ReleaseConsumer(self, request, context):
-        with self._cond:
+        with self._lock:
             closed = not request.HasField("epoch")  # no epoch: the loader is closing
             plan = self._state.plan(request.job_id, request.consumer_index,
                                     None if closed else request.epoch)
@@ -379,7 +386,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         """Workers, jobs and counters, for `dpex status` and the metrics endpoint."""
         now = time.monotonic()
         state = self._state
-        with self._cond:
+        with self._lock:
             response = dpb.GetStatusResponse(splits_assigned_total=state.splits_assigned_total,
                                              splits_reassigned_total=state.splits_reassigned_total,
                                              uptime_s=now - self._started,

@@ -29,6 +29,16 @@ _REMEMBER_COLLECTED = 10_000  # collected job ids kept, to tell a returning trai
 
 
 @dataclass
+class Changes:
+    """What updates touched since the service last looked (to wake only the
+    long polls that wait for it)."""
+    workers: set[str] = field(default_factory=set)              # whose assigned splits changed
+    consumers: set[tuple[int, int]] = field(default_factory=set)  # (job, consumer): owners changed
+    splits_freed: int = 0         # splits that became available to workers
+    plans_ended: int = 0          # plans delivered in full or cancelled
+
+
+@dataclass
 class Worker:
     worker_id: str
     address: str
@@ -159,6 +169,12 @@ class DispatcherState:
         self.collected: OrderedDict[int, str] = OrderedDict()  # recently collected job ids -> names
         self._starts: list[int] = []      # first split ids of the live plans, ascending
         self._by_start: dict[int, Plan] = {}
+        self.changes = Changes()
+
+    def take_changes(self) -> Changes:
+        """What the updates applied since the last call touched."""
+        changes, self.changes = self.changes, Changes()
+        return changes
 
     # ---- the one entry point for changes ---------------------------------
     def apply(self, update: jpb.Update) -> Any:
@@ -221,6 +237,8 @@ class DispatcherState:
         job.epochs[u.consumer_index] = u.epoch
         job.closed.discard(u.consumer_index)
         job.batches_planned += plan.num_batches
+        self.changes.consumers.add((u.job_id, u.consumer_index))
+        self.changes.splits_freed += plan.num_splits
         return plan
 
     def _apply_assign_splits(self, u: jpb.AssignSplits) -> list[int]:
@@ -303,6 +321,8 @@ class DispatcherState:
         split.worker_id = worker.worker_id
         worker.held.add(split_id)
         self.splits_assigned_total += 1
+        self.changes.workers.add(worker.worker_id)
+        self.changes.consumers.add((plan.job_id, plan.consumer_index))
         return True
 
     def _lose(self, worker: Worker) -> None:
@@ -311,7 +331,10 @@ class DispatcherState:
             split = self.splits[split_id]
             split.worker_id = None
             heapq.heappush(split.plan.returned, split.index)
+            self.changes.consumers.add((split.job_id, split.consumer_index))
         self.splits_reassigned_total += len(worker.held)
+        self.changes.workers.add(worker.worker_id)
+        self.changes.splits_freed += len(worker.held)
         worker.held.clear()
 
     def _drop(self, split: Split) -> None:
@@ -319,11 +342,13 @@ class DispatcherState:
         del self.splits[split.split_id]
         plan.live.discard(split.split_id)
         plan.done += 1
+        self.changes.consumers.add((plan.job_id, plan.consumer_index))
         if split.worker_id is None:
             plan.returned.remove(split.index)
             heapq.heapify(plan.returned)
         elif split.worker_id in self.workers:
             self.workers[split.worker_id].held.discard(split.split_id)
+            self.changes.workers.add(split.worker_id)
         if plan.finished:
             self._forget(plan)
 
@@ -332,11 +357,13 @@ class DispatcherState:
             self._drop(self.splits[split_id])
         plan.done = plan.num_splits
         plan.next_index, plan.early, plan.returned = plan.num_splits, set(), []
+        self.changes.consumers.add((plan.job_id, plan.consumer_index))
         self._forget(plan)
 
     def _forget(self, plan: Plan) -> None:
         """No split of the plan is in work any more: its ids need no lookup."""
         if self._by_start.get(plan.first_split_id) is plan:
+            self.changes.plans_ended += 1
             del self._by_start[plan.first_split_id]
             self._starts.pop(bisect.bisect_left(self._starts, plan.first_split_id))
 

@@ -2,9 +2,10 @@
 
 ``recover`` reads the snapshot (if any) and replays the log that follows it;
 ``append`` writes an update durably before it takes effect; once the log has
-grown past ``compact_bytes`` and twice the last snapshot, ``compact`` writes
-a new snapshot and starts a new log, so that restart time and disk use follow
-the live state, not the history. A compaction survives a kill at any point:
+grown past ``compact_bytes`` and twice the last snapshot, or past half the
+snapshot when an epoch plan ends, ``compact`` writes a new snapshot and
+starts a new log, so that restart time and disk use follow the live state,
+not the history. A compaction survives a kill at any point:
 
 1. the snapshot is written to ``snapshot.tmp``, fsync'd, renamed over
    ``snapshot`` and the directory fsync'd: the new snapshot names generation
@@ -30,6 +31,7 @@ from dpex.proto import journal_pb2 as jpb
 log = logging.getLogger("dpex.dispatcher")
 
 SNAPSHOT = "snapshot"
+_MIN_LOG = 256  # bytes; a shorter log is never worth a snapshot
 _HEADER = struct.Struct("<II")
 _LOG = re.compile(r"journal(?:-(\d+))?\.log$")
 
@@ -88,8 +90,14 @@ class Store:
     def append(self, update: jpb.Update) -> None:
         self.journal.append(update)
 
-    def due(self) -> bool:
-        return self.compact_bytes > 0 and self.journal.size > max(self.compact_bytes, 2 * self._snapshot_bytes)
+    def due(self, plan_ended: bool = False) -> bool:
+        """Whether to compact now: the log is past ``compact_bytes`` and twice the
+        snapshot, or an epoch plan just ended and the log is past half the
+        snapshot (between epochs, what an epoch wrote goes: the disk holds the
+        live state and at most half of it again)."""
+        size, snap = self.journal.size, self._snapshot_bytes
+        return self.compact_bytes > 0 and (size > max(self.compact_bytes, 2 * snap)
+                                           or (plan_ended and size > max(snap // 2, _MIN_LOG)))
 
     def compact(self, state: DispatcherState) -> None:
         """Snapshot of ``state`` (everything appended so far applied), then a new log."""

@@ -6,6 +6,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from typing import Any
 
 from dpex.auth import load_ca
@@ -31,6 +32,7 @@ class DispatcherAgent:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._poll: Any = None  # the heartbeat in flight, to cut short when room frees
+        self._nudge = threading.Event()  # room freed: a pause between heartbeats ends
         scheduler.on_capacity = self._room_freed
         self.worker_id = ""
         self.registered = threading.Event()
@@ -63,6 +65,7 @@ class DispatcherAgent:
         more room than it asked for (a split fully produced, a consumer no
         longer saturated), cut it short and ask again."""
         with self._lock:
+            self._nudge.set()
             if self._poll is not None:
                 self._poll.cancel()
                 self._poll = None
@@ -90,6 +93,7 @@ class DispatcherAgent:
     def _run(self) -> None:
         interval = self._config.heartbeat_interval_s
         while not self._stop.is_set():
+            self._nudge.clear()
             want, saturated = self._scheduler.free_capacity(self._config.max_held_splits)
             self._scheduler.meter.window()  # each heartbeat reports the busy fraction since the last
             request = dpb.WorkerHeartbeatRequest(worker_id=self.worker_id, want_splits=want,
@@ -98,9 +102,14 @@ class DispatcherAgent:
                                                  saturated=[dpb.ConsumerRef(job_id=j, consumer_index=c)
                                                             for j, c in saturated])
             try:
+                started = time.monotonic()
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
                                      track=functools.partial(self._track_poll, (want, saturated)))
                 self._track_poll((want, saturated), None)
+                if not response.splits and not response.release_split_ids:
+                    # Nothing, and at once: the dispatcher holds no more polls (a
+                    # large fleet); pause the rest of the interval (until room frees).
+                    self._nudge.wait(interval - (time.monotonic() - started))
                 self._scheduler.release(response.release_split_ids)
                 for split in response.splits:
                     log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,
@@ -128,7 +137,7 @@ class DispatcherAgent:
                 log.error("heartbeat failed: %s", e)
                 self._stop.wait(interval)
                 continue
-            # No pause: the dispatcher long-polls each heartbeat for up to an interval.
+            # No pause otherwise: the dispatcher long-polls each heartbeat for up to an interval.
 
     def close(self, deregister: bool = False) -> None:
         """Stops heartbeats; with ``deregister``, tells the dispatcher we leave

@@ -211,3 +211,26 @@ def test_only_a_gone_worker_is_forgotten():
     st.apply(jpb.Update(worker_lost=jpb.WorkerLost(worker_id="w1")))
     st.apply(jpb.Update(forget_worker=jpb.ForgetWorker(worker_id="w1")))
     assert set(st.workers) == {"w2"} and st.workers_forgotten_total == 1
+
+
+def test_changes_name_only_what_an_update_touched():
+    """The service wakes only the long polls that wait for what changed."""
+    s = DispatcherState()
+    register(s, "a"), register(s, "b"), create_job(s, consumers=2)
+    s.take_changes()
+    submit(s, 6)  # 3 splits
+    c = s.take_changes()
+    assert c.splits_freed == 3 and c.consumers == {(7, 0)} and not c.workers
+    assign(s, "a", 2)
+    c = s.take_changes()
+    assert c.workers == {"a"} and c.consumers == {(7, 0)} and c.splits_freed == 0
+    deliver(s, [0])  # half a split: nobody's splits change
+    c = s.take_changes()
+    assert not c.workers and not c.plans_ended
+    deliver(s, [1])  # the split is done: a's poll learns it may drop it
+    assert s.take_changes().workers == {"a"}
+    s.apply(jpb.Update(worker_lost=jpb.WorkerLost(worker_id="a")))
+    c = s.take_changes()
+    assert c.workers == {"a"} and c.splits_freed == 1  # its other split is free again
+    assign(s, "b", 2), deliver(s, [2, 3, 4, 5])
+    assert s.take_changes().plans_ended == 1
