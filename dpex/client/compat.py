@@ -131,6 +131,14 @@ class DpexDataLoader:
         except DpexTimeoutError as e:
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from e
 
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`RemoteDataLoader.state_dict` (torchdata's StatefulDataLoader usage)."""
+        return self._remote.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See :meth:`RemoteDataLoader.load_state_dict`."""
+        self._remote.load_state_dict(state_dict)
+
     def stats(self, reset: bool = False) -> LoaderStats:
         """See :meth:`RemoteDataLoader.stats`."""
         return self._remote.stats(reset)

@@ -21,6 +21,7 @@ from dpex.errors import (DpexCancelledError, DpexConfigError, DpexError, DpexTim
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
+from dpex.client.checkpoint import Progress
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
 from dpex.wire import decode, parse_frame
@@ -180,10 +181,13 @@ class EpochFetcher:
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
                  timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
-                 meter: StatsMeter | None = None, leave: Callable[[], None] | None = None) -> None:
+                 meter: StatsMeter | None = None, leave: Callable[[], None] | None = None,
+                 progress: Progress | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
-        ``leave()`` tells the dispatcher the epoch was left unfinished."""
+        ``leave()`` tells the dispatcher the epoch was left unfinished.
+        ``progress``: the batches the loop was given (it records them); a
+        resumed epoch starts with those of its checkpoint, never fetched again."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
@@ -206,7 +210,10 @@ class EpochFetcher:
         self._next = 0                             # next seq to yield (ordered)
         self._delivered: set[int] = set()          # received once: later copies are duplicates
         self._low = 0                              # lowest seq not received yet
-        self._yielded = 0
+        self.progress = progress or Progress()
+        self._resumed = self.progress.seqs()       # given before a checkpoint: not asked for
+        self._delivered |= self._resumed
+        self._yielded = len(self._resumed)
         self._workers_alive = -1
         self._meter = meter or StatsMeter()
         self._closed = False
@@ -216,9 +223,15 @@ class EpochFetcher:
         streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)
         self._finalizer = weakref.finalize(self, self._exit)
+        self._advance_low()
 
     def __iter__(self) -> "EpochFetcher":
         return self
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the epoch was yielded."""
+        return self._exit.finished
 
     def __len__(self) -> int:
         if self._n:
@@ -250,7 +263,12 @@ class EpochFetcher:
 
     def __next__(self) -> Any:
         asked_at = time.monotonic()
-        batch, nbytes = self.next_batch()
+        try:
+            batch, nbytes, seq = self.next_batch()
+        except StopIteration:
+            self.progress.ended = self.finished
+            raise
+        self.progress.add(seq)
         self._meter.record(self.key, asked_at, nbytes)
         return batch
 
@@ -259,8 +277,8 @@ class EpochFetcher:
         self._interrupted = True
         self._results.put(_Wake())
 
-    def next_batch(self) -> tuple[Any, int]:
-        """The next batch and the bytes it took on the wire; not metered."""
+    def next_batch(self) -> tuple[Any, int, int]:
+        """The next batch, the bytes it took on the wire and its seq; not metered."""
         if self._closed:
             raise StopIteration
         last_progress = last_log = time.monotonic()
@@ -301,21 +319,22 @@ class EpochFetcher:
     def _pop_ready(self) -> tuple[wpb.Batch, Any, int] | None:
         if self._ordered:
             limit = self._limit()
-            while not self._exists(self._next) and (limit is None or self._next < limit):
+            while (not self._exists(self._next) or self._next in self._resumed) and (
+                    limit is None or self._next < limit):
                 self._next += 1  # a finished stream's turn: torch skips exhausted workers too
             return self._received.pop(self._next, None)
         if self._received:
             return self._received.pop(next(iter(self._received)))
         return None
 
-    def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int]:
+    def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
         self._yielded += 1
         self._next = meta.seq + 1 if self._ordered else self._next
         if meta.HasField("error"):
             self.close()
             raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
-        return batch, nbytes
+        return batch, nbytes, meta.seq
 
     def _send(self, asks: dict[str, list[int]]) -> None:
         """One request per worker, naming every batch asked of it."""
@@ -344,7 +363,7 @@ class EpochFetcher:
         limit = self._limit()
         while (limit is None or self._cursor < limit) and (
                 (room and outstanding < self._window) or self._cursor == urgent):
-            if not self._exists(self._cursor):
+            if not self._exists(self._cursor) or self._cursor in self._resumed:
                 self._cursor += 1
                 continue
             address = self._route(self._cursor)

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch.utils.data as tud
 
+from dpex.client import checkpoint
+from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.distributed import current_run, shared_job_name
 from dpex.client.fetcher import DatasetSeen, EpochFetcher
 from dpex.client.options import Indices, LoaderOptions, check_sampling
@@ -242,6 +244,8 @@ class RemoteDataLoader:
                 self._dataset = self._inspect()
                 length, self._iterable = self._dataset.length, self._dataset.iterable
             self._generator, self._num_streams = generator, num_workers
+            self._current: EpochState | None = None  # the epoch in progress, for state_dict()
+            self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
             self._compact = compact_plans
             self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
             if self._iterable:
@@ -289,7 +293,11 @@ class RemoteDataLoader:
         if self._finalizer.alive is False:
             raise DpexConfigError("this RemoteDataLoader is closed")
         self._res.close_epoch()  # a new iter() leaves the last epoch, as torch's does
-        if self._iterable:  # as torch: a base seed per epoch, no sampler
+        resume, self._resume = self._resume, None
+        if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
+            base_seed, sampler, streams = resume.base_seed, resume.sampler, 0
+            plan = resume.batches or []
+        elif self._iterable:  # as torch: a base seed per epoch, no sampler
             import torch
             base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
             plan, streams, sampler = [], self._num_streams, None
@@ -305,6 +313,10 @@ class RemoteDataLoader:
                                        base_seed=base_seed, num_streams=streams)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
+        progress = resume.progress if resume is not None else Progress()
+        if resume is not None:
+            submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
+            submit.resume_id = secrets.randbits(63) + 1
         try:
             num_batches = self._submit(submit, plan)
         except DpexNotFoundError as e:
@@ -322,10 +334,61 @@ class RemoteDataLoader:
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
-            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request))
+            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress)
+        self._current = (None if streams else
+                         EpochState(epoch, base_seed, num_batches, sampler, None if sampler else plan, progress))
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
         self._res.epoch = weakref.ref(iterator)
         return iterator
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, to save with a checkpoint (plain values,
+        for ``torch.save``): call it between batches. A loader built with the
+        same arguments and given it by :meth:`load_state_dict` before ``iter()``
+        yields the rest of the epoch, then the next epochs, as this one would
+        (torch's global RNG, which a shuffle without ``generator``/``seed``
+        draws from at each ``iter()``, is the caller's to save and restore)."""
+        current = self._resume or self._current
+        running = self._res.epoch() if self._res.epoch is not None else None
+        if self._iterable and running is not None and not running.finished:
+            raise DpexConfigError("state_dict() in the middle of an IterableDataset epoch is not supported "
+                                  "yet; take it between epochs")
+        sd: dict[str, Any] = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+                              "job_name": self.job_name, "num_consumers": self.num_consumers,
+                              "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
+                              "epoch": current.to_dict() if current is not None and not current.progress.ended
+                              else None, "generator": None, "samplers": {}}
+        generator = self._generator if self._generator is not None else getattr(self._plan, "generator", None)
+        if generator is not None:
+            sd["generator"] = bytes(generator.get_state().numpy())
+        for name, s in self._samplers():
+            if callable(getattr(s, "state_dict", None)):
+                sd["samplers"][name] = s.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continues from :meth:`state_dict` of a loader built with the same
+        arguments (this or another process): the next ``iter()`` yields the
+        batches of the saved epoch that the loop had not been given, exactly
+        those, then epochs go on as the saved loader's would."""
+        checkpoint.check(state_dict, self.num_consumers, self.consumer_index)
+        self._epoch_counter = state_dict["epochs_started"]
+        saved = state_dict["epoch"]
+        self._resume = checkpoint.EpochState.from_dict(saved) if saved is not None else None
+        if self._resume is not None:
+            self._epoch_counter = self._resume.epoch
+        generator = self._generator if self._generator is not None else getattr(self._plan, "generator", None)
+        if state_dict["generator"] is not None and generator is not None:
+            import torch
+            generator.set_state(torch.frombuffer(bytearray(state_dict["generator"]), dtype=torch.uint8))
+        for name, s in self._samplers():
+            if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
+                s.load_state_dict(state_dict["samplers"][name])
+
+    def _samplers(self) -> list[tuple[str, Any]]:
+        if self._plan is None:
+            return []
+        return [("sampler", self._plan.sampler), ("batch_sampler", self._plan.batch_sampler)]
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Batches/s, bytes received, seconds the trainer waited for data and

@@ -69,10 +69,10 @@ class _Pinner:
         try:
             while not self._stop.is_set():
                 try:
-                    batch, nbytes = self.epoch.next_batch()
+                    batch, nbytes, seq = self.epoch.next_batch()
                 except StopIteration:
                     break
-                self._put((pin_memory(batch, self._target.device_type), nbytes))
+                self._put((pin_memory(batch, self._target.device_type), nbytes, seq))
         except BaseException as e:  # noqa: B036 - handed to the consumer, raised there
             end = _End(e)
         finally:
@@ -119,6 +119,11 @@ class PinnedEpoch:
     def __len__(self) -> int:
         return len(self._pinner.epoch)
 
+    @property
+    def finished(self) -> bool:
+        """Every batch of the epoch was yielded (pinned ones too)."""
+        return self._done and self._pinner.epoch.finished
+
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
@@ -129,8 +134,10 @@ class PinnedEpoch:
             self._pinner.thread.join()
             if item.error is not None:
                 raise item.error
+            self._pinner.epoch.progress.ended = self._pinner.epoch.finished
             raise StopIteration
-        batch, nbytes = item
+        batch, nbytes, seq = item
+        self._pinner.epoch.progress.add(seq)  # given to the loop now, not when pinned
         self._meter.record(self._key, asked_at, nbytes)
         return batch
 

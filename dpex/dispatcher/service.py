@@ -20,7 +20,7 @@ from dpex.dispatcher.waiters import Waiters
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
 from dpex.plan import samplers
-from dpex.plan.spec import PlanHash
+from dpex.plan.spec import PlanHash, resumed
 from dpex.procutil import temp_dir
 from dpex.errors import JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -292,6 +292,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             if request.more:
                 return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
             plan_file, num_batches, digest = self._plan_files.finish(upload_id)
+        digest = resumed(digest, request.done, request.resume_id)
         if num_batches > self._config.max_plan_batches:
             raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self._config.max_plan_batches} (--max-plan-batches)")
@@ -314,7 +315,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
             plan: Plan = self._apply(submit_plan=jpb.SubmitPlan(
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 plan_hash=digest, split_size=self._config.split_size_batches, base_seed=request.base_seed,
-                num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches))
+                num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches,
+                done=request.done))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
                                                     splits=plan.num_splits,

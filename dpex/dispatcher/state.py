@@ -68,16 +68,44 @@ class Plan:
     returned: list[int] = field(default_factory=list)  # heap: handed out, then given back unassigned
     live: set[int] = field(default_factory=set)       # split ids handed out and not done
     done: int = 0                 # splits delivered or cancelled
+    resumed: list[tuple[int, int]] = field(default_factory=list)  # seq ranges delivered before a checkpoint
 
     @classmethod
     def from_record(cls, u: jpb.SubmitPlan, first_split_id: int, **progress: Any) -> "Plan":
         """The plan a SubmitPlan record makes (with ``progress`` as a snapshot keeps it)."""
         size = max(1, u.split_size)
         num_batches = u.num_batches or len(u.batches)  # older records hold their batches
-        return cls(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches, first_split_id,
+        plan = cls(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches, first_split_id,
                    u.num_streams or -(-num_batches // size), u.base_seed, u.num_streams,
                    sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
-                   inline=list(u.batches), **progress)
+                   inline=list(u.batches), resumed=[(r.start, r.end) for r in u.done], **progress)
+        if not progress:
+            plan._skip_resumed()
+        return plan
+
+    def _skip_resumed(self) -> None:
+        """A resumed epoch's splits delivered in full before the checkpoint are
+        done: never handed out (a prefix moves the cursor; others count as handed out early)."""
+        if self.num_streams:
+            return  # (streams resume by skipping: their splits' delivered seqs)
+        for start, end in self.resumed:
+            last = min(end, self.num_batches)
+            for index in range(-(-start // self.split_size), self.num_splits):
+                if self.first_seq(index) + self.split_batches(index) > last:
+                    break
+                if index == self.next_index:
+                    self.next_index += 1
+                else:
+                    self.early.add(index)
+                self.done += 1
+        while self.next_index in self.early:
+            self.early.discard(self.next_index)
+            self.next_index += 1
+
+    def resumed_in(self, first_seq: int, count: int) -> set[int]:
+        """The seqs of ``first_seq .. +count`` delivered before the checkpoint."""
+        return {seq for start, end in self.resumed
+                for seq in range(max(start, first_seq), min(end, first_seq + count))}
 
     @property
     def split_ids(self) -> range:
@@ -233,6 +261,8 @@ class DispatcherState:
         plan = Plan.from_record(u, self.next_split_id)
         self.next_split_id += plan.num_splits
         self.track(plan)
+        if plan.finished:  # a resumed epoch the trainer had all of
+            self._forget(plan)
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
         job.closed.discard(u.consumer_index)
@@ -317,6 +347,8 @@ class DispatcherState:
             else:
                 plan.early.add(index)  # the split a consumer waits for, ahead of the others
             split = self.splits[split_id] = Split(split_id, plan, index)
+            if plan.resumed:
+                split.delivered = plan.resumed_in(split.first_seq, split.num_batches)
             plan.live.add(split_id)
         split.worker_id = worker.worker_id
         worker.held.add(split_id)

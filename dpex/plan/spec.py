@@ -26,6 +26,17 @@ class PlanHash:
         return self._h.digest()
 
 
+def resumed(digest: bytes, done: Iterable[dpb.SeqRange], resume_id: int) -> bytes:
+    """A resumed epoch's hash: a plan of its own (see SubmitPlanRequest.done)."""
+    done = list(done)
+    if not done and not resume_id:
+        return digest
+    h = hashlib.sha256(digest + b"resume%d" % resume_id)
+    for r in done:
+        h.update(b"|%d-%d" % (r.start, r.end))
+    return h.digest()
+
+
 def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> Iterator[list[dpb.IndexBatch]]:
     """Consecutive runs of whole batches, each of at most ``max_indices``
     indices (or one batch, if a single batch is larger); at least one run."""

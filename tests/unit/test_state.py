@@ -234,3 +234,20 @@ def test_changes_name_only_what_an_update_touched():
     assert c.workers == {"a"} and c.splits_freed == 1  # its other split is free again
     assign(s, "b", 2), deliver(s, [2, 3, 4, 5])
     assert s.take_changes().plans_ended == 1
+
+
+def test_a_resumed_plan_hands_out_only_what_was_not_delivered_before_its_checkpoint():
+    s = DispatcherState()
+    register(s, "a"), create_job(s)
+    plan = s.apply(jpb.Update(submit_plan=jpb.SubmitPlan(
+        job_id=7, consumer_index=0, epoch=3, plan_hash=b"r", split_size=2, num_batches=9,
+        sampler=dpb.SamplerSpec(length=9, batch_size=1),
+        done=[dpb.SeqRange(start=0, end=3),
+              dpb.SeqRange(start=6, end=8)])))
+    # splits: [0,1] done, [2,3] half (2 done), [4,5], [6,7] done, [8]
+    assert plan.done == 2 and plan.unassigned() == 3
+    ids = s.choose_splits("a", 5)
+    s.apply(jpb.Update(assign_splits=jpb.AssignSplits(worker_id="a", split_ids=ids)))
+    assert [(s.splits[i].first_seq, sorted(s.splits[i].delivered)) for i in ids] == [(2, [2]), (4, []), (8, [])]
+    deliver(s, [3, 4, 5, 8], epoch=3)
+    assert plan.finished
