@@ -21,7 +21,8 @@ def plans_in_journal(work_dir):
 
 def test_torchs_samplers_travel_as_descriptions_and_give_torchs_batches(tmp_path):
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=1000)
-    with test_cluster(num_workers=2, work_dir=str(tmp_path)) as c:
+    # (no compaction: the records are read back from the log)
+    with test_cluster(num_workers=2, work_dir=str(tmp_path), dispatcher_flags=("--journal-compact-kb", "0")) as c:
         with dpex.RemoteDataLoader(c.address, spec, batch_size=32, shuffle=True, seed=4, timeout=60) as dl:
             reference = tud.DataLoader(Indices(1000), batch_size=32, shuffle=True,
                                        generator=torch.Generator().manual_seed(4))
@@ -53,7 +54,7 @@ def test_ten_million_indices_of_a_foreign_sampler_go_in_chunks_and_survive_a_kil
     sampler = EveryThird(n)
     # 4 MB messages: one message of the plan would be 80 MB.
     with test_cluster(num_workers=2, work_dir=str(tmp_path), split_size_batches=50,
-                      dispatcher_flags=("--max-message-mb", "4")) as c:
+                      dispatcher_flags=("--max-message-mb", "4", "--journal-compact-kb", "0")) as c:
         with dpex.RemoteDataLoader(c.address, spec, batch_size=size, sampler=sampler, timeout=120) as dl:
             count = 0
             for i, batch in enumerate(dl):
