@@ -30,12 +30,11 @@ class Progress:
         self.ended = False  # the loop saw the epoch's end (StopIteration)
         self.low = 0
         self.ahead: set[int] = set()
-        for start, end in done:
-            for seq in range(start, end) if start > self.low else ():
-                self.ahead.add(seq)
+        for start, end in done:  # ascending, as ranges() gives them
             if start <= self.low:
                 self.low = max(self.low, end)
-        self._settle()
+            else:
+                self.ahead.update(range(start, end))
 
     def add(self, seq: int) -> None:
         if seq == self.low:

@@ -358,7 +358,7 @@ class RemoteDataLoader:
                               "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
                               "epoch": current.to_dict() if current is not None and not current.progress.ended
                               else None, "generator": None, "samplers": {}}
-        generator = self._generator if self._generator is not None else getattr(self._plan, "generator", None)
+        generator = self._plan_generator()
         if generator is not None:
             sd["generator"] = bytes(generator.get_state().numpy())
         for name, s in self._samplers():
@@ -374,16 +374,20 @@ class RemoteDataLoader:
         checkpoint.check(state_dict, self.num_consumers, self.consumer_index)
         self._epoch_counter = state_dict["epochs_started"]
         saved = state_dict["epoch"]
-        self._resume = checkpoint.EpochState.from_dict(saved) if saved is not None else None
+        self._resume = EpochState.from_dict(saved) if saved is not None else None
         if self._resume is not None:
             self._epoch_counter = self._resume.epoch
-        generator = self._generator if self._generator is not None else getattr(self._plan, "generator", None)
+        generator = self._plan_generator()
         if state_dict["generator"] is not None and generator is not None:
             import torch
             generator.set_state(torch.frombuffer(bytearray(state_dict["generator"]), dtype=torch.uint8))
         for name, s in self._samplers():
             if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
                 s.load_state_dict(state_dict["samplers"][name])
+
+    def _plan_generator(self) -> Any:
+        """The generator epochs draw from: the user's, or the one ``seed`` made (None: torch's global RNG)."""
+        return self._generator if self._generator is not None else getattr(self._plan, "generator", None)
 
     def _samplers(self) -> list[tuple[str, Any]]:
         if self._plan is None:

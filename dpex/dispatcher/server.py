@@ -7,7 +7,8 @@ from concurrent import futures
 import grpc
 
 from dpex.config import DispatcherConfig
-from dpex.dispatcher.service import MAX_POLLS, DispatcherService
+from dpex.dispatcher.service import DispatcherService
+from dpex.dispatcher.waiters import MAX_POLLS
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics

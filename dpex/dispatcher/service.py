@@ -31,10 +31,6 @@ from dpex.rpc import servicer_method
 log = logging.getLogger("dpex.dispatcher")
 
 
-# Long polls (heartbeats, syncs) held at once; server.py gives the gRPC server
-# threads for as many and more. Past it a poll is answered at once.
-MAX_POLLS = 2000
-
 # JobDef fields by the loader argument that sets them.
 _ARGUMENT = {"collate": "collate_fn"}
 _CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
@@ -194,8 +190,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                                                split_ids=chosen))
                 release = self._state.releasable(worker.worker_id, list(held))
                 remaining = deadline - time.monotonic()
-                if worker.held - held or release or remaining <= 0 or self._waiters.polling >= MAX_POLLS:
-                    break  # (past MAX_POLLS polls an answer comes at once: the worker paces itself)
+                if worker.held - held or release or remaining <= 0 or self._waiters.full:
+                    break
                 self._waiters.worker(worker.worker_id, request.want_splits > 0, remaining, context)
             response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
             for split_id in sorted(worker.held - held):
@@ -352,7 +348,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                         .encode()).digest()[:16]
                 remaining = deadline - time.monotonic()
                 if (digest != request.owners_digest or remaining <= 0 or self._stop.is_set()
-                        or not context.is_active() or self._waiters.polling >= MAX_POLLS):
+                        or not context.is_active() or self._waiters.full):
                     break
                 self._waiters.consumer((request.job_id, request.consumer_index), remaining, context)
             response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),

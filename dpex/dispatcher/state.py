@@ -98,6 +98,10 @@ class Plan:
                 else:
                     self.early.add(index)
                 self.done += 1
+        self.pass_early()
+
+    def pass_early(self) -> None:
+        """Moves the cursor past splits handed out (or done) ahead of it."""
         while self.next_index in self.early:
             self.early.discard(self.next_index)
             self.next_index += 1
@@ -341,9 +345,7 @@ class DispatcherState:
         else:
             if index == plan.next_index:
                 plan.next_index += 1
-                while plan.next_index in plan.early:  # handed out early: passed now
-                    plan.early.discard(plan.next_index)
-                    plan.next_index += 1
+                plan.pass_early()
             else:
                 plan.early.add(index)  # the split a consumer waits for, ahead of the others
             split = self.splits[split_id] = Split(split_id, plan, index)

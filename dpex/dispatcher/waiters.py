@@ -20,6 +20,11 @@ from collections import OrderedDict
 from dpex.dispatcher.state import Changes
 
 
+# Long polls held at once (server.py gives the gRPC server threads for as many
+# and more); past it a poll is answered at once and the worker paces itself.
+MAX_POLLS = 2000
+
+
 class Waiters:
     def __init__(self, lock: threading.RLock) -> None:
         self._lock = lock
@@ -27,6 +32,10 @@ class Waiters:
         self._hungry: OrderedDict[threading.Condition, None] = OrderedDict()  # wanting splits, oldest first
         self._consumers: dict[tuple[int, int], set[threading.Condition]] = {}
         self.polling = 0  # polls waiting now
+
+    @property
+    def full(self) -> bool:
+        return self.polling >= MAX_POLLS
 
     def worker(self, worker_id: str, wants_splits: bool, timeout: float, context=None) -> None:
         """Waits (at most ``timeout``) until the worker's splits change or,
