@@ -3,15 +3,24 @@
 ``RemoteDataLoader.state_dict()`` returns plain Python values (torch.save
 them with the model): the number of ``iter()`` calls so far, the epoch in
 progress as it was sent to the dispatcher (its base seed and sampler
-description, or its index batches for a sampler Dpex cannot describe), the
-batches of it the training loop was given (seq ranges), and the state of the
-loader's own generator and of a sampler that has a ``state_dict``. A new
-loader given it by ``load_state_dict`` submits that epoch again with those
-batches marked done, so it yields the rest, then plans the next epochs as the
-interrupted loader would have.
+description, its index batches for a sampler Dpex cannot describe, or its
+number of streams for an IterableDataset), the batches of it the training
+loop was given (seq ranges), and the state of the loader's own generator and
+of a sampler that has a ``state_dict``. A new loader given it by
+``load_state_dict`` submits that epoch again with those batches marked done,
+so it yields the rest, then plans the next epochs as the interrupted loader
+would have.
+
+Elastic resume (:func:`reshard`): the states of all N ranks of a run, given
+to each of M ranks, make the rest of the interrupted epoch M shares by
+DistributedSampler's rule; the epoch state then keeps the N states it came
+from (small), not the shares it computed.
 """
 from __future__ import annotations
 
+import math
+import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,50 +28,77 @@ from dpex.errors import DpexConfigError
 from dpex.proto import dispatcher_pb2 as dpb
 
 FORMAT = "dpex.RemoteDataLoader"
-VERSION = 1
+VERSION = 2
 
 
 class Progress:
     """The batches (seqs) of an epoch handed to the training loop: every seq
-    below ``low``, and those above it in ``ahead`` (when batches come unordered)."""
+    below ``low``, and those above it in ``ahead`` (when batches come unordered).
+    With ``num_streams`` (an IterableDataset), batch j of stream k is seq
+    j*N+k, and a stream's seqs past its end (``ends``) count as passed."""
 
-    def __init__(self, done: list[tuple[int, int]] = ()) -> None:
+    def __init__(self, done: list[tuple[int, int]] = (), num_streams: int = 0,
+                 ends: dict[int, int] | None = None) -> None:
         self.ended = False  # the loop saw the epoch's end (StopIteration)
+        self.num_streams = num_streams
+        self.ends: dict[int, int] = dict(ends or {})  # stream -> its number of batches, once known
         self.low = 0
         self.ahead: set[int] = set()
+        self._lock = threading.Lock()  # the fetcher learns ends in its thread; the loop adds seqs
         for start, end in done:  # ascending, as ranges() gives them
             if start <= self.low:
                 self.low = max(self.low, end)
             else:
-                self.ahead.update(range(start, end))
+                self.ahead.update(s for s in range(start, end) if self.exists(s))
+        self._settle()
+
+    def exists(self, seq: int) -> bool:
+        n = self.num_streams
+        return not n or seq // n < self.ends.get(seq % n, math.inf)
 
     def add(self, seq: int) -> None:
-        if seq == self.low:
-            self.low += 1
+        with self._lock:
+            if seq == self.low:
+                self.low += 1
+                self._settle()
+            elif seq > self.low:
+                self.ahead.add(seq)
+
+    def end_stream(self, stream: int, end: int) -> None:
+        """Stream ``stream`` has ``end`` batches: its later seqs never come."""
+        with self._lock:
+            self.ends[stream] = min(self.ends.get(stream, end), end)
             self._settle()
-        elif seq > self.low:
-            self.ahead.add(seq)
+
+    def _limit(self) -> float:
+        n = self.num_streams
+        if not n or len(self.ends) < n:
+            return math.inf
+        return max(((j - 1) * n + k + 1 for k, j in self.ends.items() if j > 0), default=0)
 
     def _settle(self) -> None:
-        while self.low in self.ahead:
+        limit = self._limit()
+        while self.low < limit and (self.low in self.ahead or not self.exists(self.low)):
             self.ahead.discard(self.low)
             self.low += 1
 
     @property
     def count(self) -> int:
-        return self.low + len(self.ahead)
+        return len(self.seqs())
 
     def seqs(self) -> set[int]:
-        return set(range(self.low)) | self.ahead
+        with self._lock:
+            return {s for s in range(self.low) if self.exists(s)} | self.ahead
 
     def ranges(self) -> list[tuple[int, int]]:
-        out = [(0, self.low)] if self.low else []
-        for seq in sorted(self.ahead):
-            if out and out[-1][1] == seq:
-                out[-1] = (out[-1][0], seq + 1)
-            else:
-                out.append((seq, seq + 1))
-        return out
+        with self._lock:
+            out = [(0, self.low)] if self.low else []
+            for seq in sorted(self.ahead):
+                if out and out[-1][1] == seq:
+                    out[-1] = (out[-1][0], seq + 1)
+                else:
+                    out.append((seq, seq + 1))
+            return out
 
 
 @dataclass
@@ -72,34 +108,147 @@ class EpochState:
     base_seed: int
     num_batches: int
     sampler: dpb.SamplerSpec | None = None
-    batches: list[dpb.IndexBatch] | None = None  # a sampler Dpex cannot describe
+    batches: list[dpb.IndexBatch] | None = None  # a sampler Dpex cannot describe, or a share (reshard)
     progress: Progress = field(default_factory=Progress)
+    num_streams: int = 0  # an IterableDataset's epoch
+    reshard: dict[str, Any] | None = None  # elastic: what ``batches`` were computed from (see reshard)
 
     def to_dict(self) -> dict[str, Any]:
+        explicit = self.batches is not None and self.reshard is None
         return {"epoch": self.epoch, "base_seed": self.base_seed, "num_batches": self.num_batches,
                 "sampler": self.sampler.SerializeToString() if self.sampler is not None else None,
-                "batches": [list(b.indices) for b in self.batches] if self.batches is not None else None,
-                "done": [list(r) for r in self.progress.ranges()]}
+                "batches": [list(b.indices) for b in self.batches] if explicit else None,
+                "reshard": self.reshard, "num_streams": self.num_streams,
+                "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
-        return cls(d["epoch"], d["base_seed"], d["num_batches"],
+        batches = [dpb.IndexBatch(indices=b) for b in d["batches"]] if d["batches"] is not None else None
+        if d["reshard"] is not None:
+            batches = [dpb.IndexBatch(indices=b) for b in reshard(**d["reshard"])]
+        return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(d["sampler"]) if d["sampler"] is not None else None,
-                   batches=([dpb.IndexBatch(indices=b) for b in d["batches"]]
-                            if d["batches"] is not None else None),
-                   progress=Progress([tuple(r) for r in d["done"]]))
+                   batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
+                   progress=Progress([tuple(r) for r in d["done"]], d["num_streams"], d["ends"]))
+
+    def index_batches(self) -> list[list[int]]:
+        """Every index batch of the epoch, in seq order."""
+        if self.batches is not None:
+            return [list(b.indices) for b in self.batches]
+        from dpex.plan import samplers
+        return samplers.batches(self.sampler, 0, self.num_batches)
 
 
-def check(sd: Any, num_consumers: int, consumer_index: int) -> None:
+def reshard(sources: list[dict[str, Any] | None], world: int, rank: int, batch_size: int,
+            drop_last: bool, sampler_drop_last: bool) -> list[list[int]]:
+    """Rank ``rank`` of ``world``'s share of what the loop of no rank of
+    ``sources`` (each old rank's epoch dict; None: its loop had the whole
+    epoch) had been given: the samples left, in the order of the old ranks'
+    interleaved sample lists (DistributedSampler's global order), each once,
+    padded (or cut, ``sampler_drop_last``) to a multiple of ``world`` as
+    DistributedSampler does, every ``world``-th from ``rank``, in batches."""
+    seen: set[int] = set()
+    left: list[tuple[int, int, int]] = []  # (position in its rank's samples, old rank, index)
+    for old_rank, d in enumerate(sources):
+        if d is None:
+            continue
+        state = EpochState.from_dict(d)
+        given = state.progress.seqs()
+        position = 0
+        for seq, batch in enumerate(state.index_batches()):
+            if seq in given:
+                seen.update(batch)
+            else:
+                left.extend((position + i, old_rank, index) for i, index in enumerate(batch))
+            position += len(batch)
+    rest: list[int] = []
+    for _, _, index in sorted(left):
+        if index not in seen:
+            seen.add(index)
+            rest.append(index)
+    if sampler_drop_last and len(rest) % world:
+        rest = rest[:len(rest) - len(rest) % world]
+    elif rest:
+        pad = -len(rest) % world
+        rest += (rest * math.ceil(pad / len(rest)))[:pad]
+    mine = rest[rank::world]
+    out = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    return out[:-1] if drop_last and out and len(out[-1]) < batch_size else out
+
+
+def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int,
+            drop_last: bool) -> EpochState | None:
+    """The interrupted epoch of the N ranks' ``states`` as rank ``rank`` of
+    ``world`` resumes it; None when it was between epochs."""
+    sources = [sd["epoch"] for sd in states]
+    planned = [d for d in sources if d is not None]
+    if not planned:
+        return None
+    if any(d["num_streams"] for d in planned):
+        raise DpexConfigError("load_state_dict: an IterableDataset epoch cannot be resumed with another "
+                              "number of consumers; take the checkpoint between epochs")
+    spec = dpb.SamplerSpec.FromString(planned[0]["sampler"]) if planned[0]["sampler"] is not None else None
+    args = dict(sources=sources, world=world, rank=rank, batch_size=batch_size, drop_last=drop_last,
+                sampler_drop_last=bool(spec is not None and spec.kind == spec.DISTRIBUTED
+                                       and spec.sampler_drop_last))
+    base = sources[rank % len(sources)] or planned[0]
+    return EpochState.from_dict({"epoch": base["epoch"], "base_seed": base["base_seed"], "num_batches": 0,
+                                 "sampler": None, "batches": None, "reshard": args, "num_streams": 0,
+                                 "ends": {}, "done": []})
+
+
+def pack_generator(state: bytes) -> bytes:
+    return zlib.compress(state)
+
+
+def unpack_generator(packed: bytes) -> bytes:
+    return zlib.decompress(packed)
+
+
+def check(sd: Any, length: int, batch_size: int | None) -> None:
     """Refuses a state dict this loader cannot continue, saying why."""
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise DpexConfigError("load_state_dict: not a RemoteDataLoader state dict "
-                              f"(expected a dict with format={FORMAT!r})")
+                              f"(expected a dict with format={FORMAT!r}, or a list of them, one per rank)")
     if sd.get("version") != VERSION:
         raise DpexConfigError(f"load_state_dict: state dict version {sd.get('version')!r}; this Dpex "
                               f"reads version {VERSION}")
-    if (sd["num_consumers"], sd["consumer_index"]) != (num_consumers, consumer_index):
+    for what, saved, mine in (("dataset length", sd["dataset_length"], length),
+                              ("batch size", sd["batch_size"], batch_size)):
+        if saved != mine:
+            raise DpexConfigError(f"load_state_dict: the state was saved by a loader with {what} {saved}, "
+                                  f"this loader has {what} {mine}; build it with the same dataset and arguments")
+
+
+def select(state: Any, num_consumers: int, consumer_index: int,
+           job_name: str | None) -> tuple[dict[str, Any], EpochState | None]:
+    """The state dict this consumer goes on from, and its epoch: its own, or
+    (given every rank's, saved by another number of ranks) the rest of the
+    epoch resharded. ``state`` is one state dict or a list of all ranks';
+    ``job_name``: the name the user gave this loader's job, if any (a job of
+    another name is refused, but for an elastic resume, whose job is new)."""
+    if isinstance(state, dict):
+        if (state["num_consumers"], state["consumer_index"]) != (num_consumers, consumer_index):
+            raise DpexConfigError(
+                f"load_state_dict: the state was saved by consumer {state['consumer_index']} of "
+                f"{state['num_consumers']}, this loader is consumer {consumer_index} of {num_consumers}; "
+                "to resume with another number of consumers, give every rank the list of all "
+                f"{state['num_consumers']} ranks' state dicts")
+        if job_name and state["named_job"] and state["job_name"] != job_name:
+            raise DpexConfigError(f"load_state_dict: the state was saved by job {state['job_name']!r}, "
+                                  f"this loader's job is {job_name!r}")
+        return state, EpochState.from_dict(state["epoch"]) if state["epoch"] is not None else None
+    states = sorted(state, key=lambda sd: sd["consumer_index"])
+    n = len(states)
+    if [(sd["num_consumers"], sd["consumer_index"]) for sd in states] != [(n, i) for i in range(n)]:
         raise DpexConfigError(
-            f"load_state_dict: the state was saved by consumer {sd['consumer_index']} of "
-            f"{sd['num_consumers']}, this loader is consumer {consumer_index} of {num_consumers}; "
-            "resuming with another number of consumers is not supported yet")
+            "load_state_dict: a list of state dicts must hold one of every rank of the run that saved them "
+            f"(got consumers {[sd['consumer_index'] for sd in states]} of "
+            f"{sorted({sd['num_consumers'] for sd in states})})")
+    if len({sd["epochs_started"] for sd in states}) > 1:
+        raise DpexConfigError("load_state_dict: the ranks' state dicts were taken at different epochs "
+                              f"({sorted({sd['epochs_started'] for sd in states})} iter() calls)")
+    if n == num_consumers:
+        return select(states[consumer_index], num_consumers, consumer_index, job_name)
+    base = states[consumer_index % n]
+    return base, elastic(states, num_consumers, consumer_index, base["batch_size"], base["drop_last"])

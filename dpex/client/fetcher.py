@@ -213,6 +213,7 @@ class EpochFetcher:
         self.progress = progress or Progress()
         self._resumed = self.progress.seqs()       # given before a checkpoint: not asked for
         self._delivered |= self._resumed
+        self._ends.update(self.progress.ends)      # streams that ended before a checkpoint
         self._yielded = len(self._resumed)
         self._workers_alive = -1
         self._meter = meter or StatsMeter()
@@ -425,6 +426,7 @@ class EpochFetcher:
         if meta.end_of_stream and self._n:
             stream, end = seq % self._n, seq // self._n
             self._ends[stream] = min(self._ends.get(stream, end), end)
+            self.progress.end_stream(stream, end)
             for s in [s for s in (*self._requested, *self._retry) if not self._exists(s)]:
                 self._requested.pop(s, None)
                 self._retry.discard(s)

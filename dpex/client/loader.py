@@ -130,8 +130,9 @@ class RemoteDataLoader:
     ``num_consumers``/``consumer_index`` default to the world size and rank
     under torch.distributed (1/0 outside), where ranks without a ``job_name``
     share one job named after the run (``loader.job_name``). With
-    ``num_consumers`` > 1 and no sampler, consumer k plans DistributedSampler's
-    k-th share (``shard=False``: the whole dataset, as torch's DataLoader).
+    ``num_consumers`` > 1 (or under torch.distributed, one rank too) and no
+    sampler, consumer k plans DistributedSampler's k-th share
+    (``shard=False``: the whole dataset, as torch's DataLoader).
     ``timeout`` is how many seconds to wait for the next batch before raising
     (None: wait as long as it takes). ``window`` batches are requested ahead.
     As with torch's DataLoader, each worker process seeds itself from the
@@ -215,6 +216,7 @@ class RemoteDataLoader:
                 "loader makes a job of its own; give every consumer the same job_name to share one",
                 stacklevel=2)
         self.job_name = job.name or None
+        self._named_job = bool(job_name)
         address = opts.address
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -253,7 +255,7 @@ class RemoteDataLoader:
                 self._plan = None
             elif length < 0:
                 raise DpexConfigError("the dataset has no __len__; a map-style dataset needs one")
-            elif num_consumers > 1 and shard and sampler is None and batch_sampler is None:
+            elif (num_consumers > 1 or run is not None) and shard and sampler is None and batch_sampler is None:
                 sampler = tud.DistributedSampler(Indices(length), num_replicas=num_consumers,
                                                  rank=consumer_index, shuffle=shuffle,
                                                  seed=seed if seed is not None else 0)
@@ -295,7 +297,7 @@ class RemoteDataLoader:
         self._res.close_epoch()  # a new iter() leaves the last epoch, as torch's does
         resume, self._resume = self._resume, None
         if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
-            base_seed, sampler, streams = resume.base_seed, resume.sampler, 0
+            base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
         elif self._iterable:  # as torch: a base seed per epoch, no sampler
             import torch
@@ -313,7 +315,7 @@ class RemoteDataLoader:
                                        base_seed=base_seed, num_streams=streams)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
-        progress = resume.progress if resume is not None else Progress()
+        progress = resume.progress if resume is not None else Progress(num_streams=streams)
         if resume is not None:
             submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
             submit.resume_id = secrets.randbits(63) + 1
@@ -335,8 +337,8 @@ class RemoteDataLoader:
             retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
             leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress)
-        self._current = (None if streams else
-                         EpochState(epoch, base_seed, num_batches, sampler, None if sampler else plan, progress))
+        self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
+                                   progress, streams, resume.reshard if resume is not None else None)
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
         self._res.epoch = weakref.ref(iterator)
         return iterator
@@ -349,38 +351,45 @@ class RemoteDataLoader:
         (torch's global RNG, which a shuffle without ``generator``/``seed``
         draws from at each ``iter()``, is the caller's to save and restore)."""
         current = self._resume or self._current
-        running = self._res.epoch() if self._res.epoch is not None else None
-        if self._iterable and running is not None and not running.finished:
-            raise DpexConfigError("state_dict() in the middle of an IterableDataset epoch is not supported "
-                                  "yet; take it between epochs")
         sd: dict[str, Any] = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                              "job_name": self.job_name, "num_consumers": self.num_consumers,
+                              "job_name": self.job_name, "named_job": self._named_job,
+                              "dataset_length": self._length, "batch_size": self._batch_size,
+                              "drop_last": self._drop_last, "num_consumers": self.num_consumers,
                               "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
                               "epoch": current.to_dict() if current is not None and not current.progress.ended
                               else None, "generator": None, "samplers": {}}
         generator = self._plan_generator()
         if generator is not None:
-            sd["generator"] = bytes(generator.get_state().numpy())
+            sd["generator"] = checkpoint.pack_generator(bytes(generator.get_state().numpy()))
         for name, s in self._samplers():
             if callable(getattr(s, "state_dict", None)):
                 sd["samplers"][name] = s.state_dict()
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continues from :meth:`state_dict` of a loader built with the same
         arguments (this or another process): the next ``iter()`` yields the
         batches of the saved epoch that the loop had not been given, exactly
-        those, then epochs go on as the saved loader's would."""
-        checkpoint.check(state_dict, self.num_consumers, self.consumer_index)
+        those, then epochs go on as the saved loader's would. Under DDP, a
+        rank may be given the list of every rank's state dict: with as many
+        ranks as saved it, each takes its own; with another number (elastic),
+        the samples of the interrupted epoch that no rank's loop was given are
+        shared out by DistributedSampler's rule (each once, padded to equal
+        shares), and the next epochs are planned for the new number of ranks."""
+        named = self.job_name if self._named_job else None
+        for sd in state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]:
+            checkpoint.check(sd, self._length, self._batch_size)
+        state_dict, self._resume = checkpoint.select(
+            list(state_dict) if isinstance(state_dict, tuple) else state_dict,
+            self.num_consumers, self.consumer_index, named)
         self._epoch_counter = state_dict["epochs_started"]
-        saved = state_dict["epoch"]
-        self._resume = EpochState.from_dict(saved) if saved is not None else None
         if self._resume is not None:
             self._epoch_counter = self._resume.epoch
         generator = self._plan_generator()
         if state_dict["generator"] is not None and generator is not None:
             import torch
-            generator.set_state(torch.frombuffer(bytearray(state_dict["generator"]), dtype=torch.uint8))
+            state = checkpoint.unpack_generator(state_dict["generator"])
+            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         for name, s in self._samplers():
             if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
                 s.load_state_dict(state_dict["samplers"][name])

@@ -167,6 +167,20 @@ class Counting(torch.utils.data.IterableDataset):
         return self.n
 
 
+class Uneven(torch.utils.data.IterableDataset):
+    """Stream k of N yields ``per_stream * (k + 1)`` samples: streams end one after another."""
+
+    def __init__(self, per_stream: int = 9) -> None:
+        self.per_stream = per_stream
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k = 0 if info is None else info.id
+        for j in range(self.per_stream * (k + 1)):
+            yield {"i": k * 1000 + j, "seed": -1 if info is None else info.seed - info.id,
+                   "r": torch.randint(0, 1 << 30, ()).item()}
+
+
 class Endless(torch.utils.data.IterableDataset):
     """An IterableDataset without __len__: 0, 1, 2, ... (stream k of N takes every N-th)."""
 

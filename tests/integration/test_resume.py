@@ -2,6 +2,7 @@
 and the next epochs exactly as an uninterrupted one would — after a clean
 stop, and after the checkpointing trainer was SIGKILLed past its checkpoint
 (with a worker killed, or the dispatcher restarted from its journal, meanwhile)."""
+import io
 import os
 import random
 import signal
@@ -9,15 +10,19 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
+import torch.utils.data._utils.worker as torch_worker
 import torch.utils.data as tud
 
 import dpex
-from dpex.testing import test_cluster
+from dpex.testing import datasets, test_cluster
 
 N, B, EPOCHS = 103, 4, 3
 SPEC = dpex.DatasetSpec("dpex.client.options:Indices", N)
+PROBE = dpex.DatasetSpec("dpex.testing.datasets:WorkerProbe", N)
+UNEVEN = dpex.DatasetSpec("dpex.testing.datasets:Uneven", 9)  # streams of 9, 18, 27 samples
 
 
 class EveryThird(tud.Sampler):
@@ -37,21 +42,45 @@ CASES = {
     "unordered": dict(shuffle=True, seed=7, ordered=False),
     "custom sampler": dict(sampler=EveryThird()),
     "explicit plans": dict(shuffle=True, seed=7, compact_plans=False),
+    "worker seeds": dict(dataset=PROBE, shuffle=True, seed=7, worker_init_fn=datasets.record_worker_init),
+    "IterableDataset": dict(dataset=UNEVEN, num_workers=3),
+    "IterableDataset unordered": dict(dataset=UNEVEN, num_workers=3, ordered=False),
 }
 
 
+def plain(batch):
+    """A batch as comparable values. WorkerProbe's samples become (index, the
+    epoch's base seed, whether the process was seeded and initialised as torch's
+    worker ``id`` would be): which process made a batch is the workers' business."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if "np_state" not in batch:
+        return {k: plain(v) for k, v in batch.items()}
+    out = []
+    for i, wid, seed, torch_seed, np_state, calls in zip(*(batch[k].tolist() for k in (
+            "i", "id", "seed", "torch_seed", "np_state", "init_calls"))):
+        base = seed - wid
+        np.random.seed(torch_worker._generate_state(base, wid))
+        ok = torch_seed == seed and np_state == np.random.get_state()[1][:4].tolist() and calls >= 1
+        out.append((i, base, ok))
+    return out
+
+
 def run(address, kwargs, stop_at=None, state=None):
-    """Epochs of a loader (from ``state``); stops after ``stop_at`` batches: the batches and a state dict."""
+    """Epochs of a loader (from ``state``); stops after ``stop_at`` batches:
+    the (epoch, batch)s and a state dict."""
+    kwargs = dict(kwargs)
     if "generator" in kwargs:  # every loader starts from the same generator, as a new process would
-        kwargs = dict(kwargs, generator=torch.Generator().manual_seed(3))
+        kwargs["generator"] = torch.Generator().manual_seed(3)
+    dataset = kwargs.pop("dataset", SPEC)
     got, sd = [], None
-    with dpex.RemoteDataLoader(address, SPEC, batch_size=B, timeout=60, **kwargs) as dl:
+    with dpex.RemoteDataLoader(address, dataset, batch_size=B, timeout=60, **kwargs) as dl:
         if state is not None:
             dl.load_state_dict(state)
         start = state["epochs_started"] - (state["epoch"] is not None) if state else 0
         for epoch in range(start, EPOCHS):
             for batch in dl:
-                got.append(batch.tolist())
+                got.append((epoch, plain(batch)))
                 if len(got) == stop_at:
                     return got, dl.state_dict()
     return got, sd
@@ -63,38 +92,120 @@ def test_a_resumed_loader_continues_exactly(case):
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
     kwargs = CASES[case]
-    with test_cluster(num_workers=2) as c:
+    with test_cluster(num_workers=2, processes=2) as c:
         torch.manual_seed(11)
         whole, _ = run(c.address, kwargs)
-        assert len(whole) == EPOCHS * 26
-        for stop_at in sorted({rng.randrange(1, len(whole)), 26, 27, 52}):
+        per_epoch = len(whole) // EPOCHS
+        assert per_epoch == (26 if "dataset" not in kwargs or kwargs["dataset"] is PROBE else 3 + 5 + 7)
+        if kwargs.get("dataset") is PROBE:
+            assert all(ok for _, batch in whole for _, _, ok in batch)
+        for stop_at in sorted({rng.randrange(1, len(whole)), per_epoch, per_epoch + 1, 2 * per_epoch, 3, 4}):
             torch.manual_seed(11)
             first, sd = run(c.address, kwargs, stop_at)
             rng_state = torch.get_rng_state()  # a training script saves it with its checkpoint
             torch.manual_seed(99)  # the new process's RNG is anything
             torch.set_rng_state(rng_state)
-            rest, _ = run(c.address, kwargs, state=sd)
+            rest, _ = run(c.address, kwargs, state=torch_roundtrip(sd))
             if kwargs.get("ordered") is False:  # the same batches of each epoch, in any order
-                key = lambda bs: [sorted(map(tuple, bs[i:i + 26])) for i in range(0, len(bs), 26)]  # noqa: E731
+                key = lambda bs: sorted((e, repr(b)) for e, b in bs)  # noqa: E731
                 assert key(first + rest) == key(whole), f"stop at {stop_at}, seed {seed}"
             else:
                 assert first + rest == whole, f"stop at {stop_at}, seed {seed}"
 
 
+def torch_roundtrip(sd):
+    """The state dict as a checkpoint file gives it back."""
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
 def test_a_state_dict_is_small_and_refused_when_it_does_not_fit():
     with test_cluster(num_workers=1) as c:
-        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60) as dl:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60,
+                                   job_name="saved") as dl:
             it = iter(dl)
             next(it)
             sd = dl.state_dict()
         assert sd["epoch"]["done"] == [[0, 1]] and sd["epoch"]["batches"] is None
         assert len(sd["epoch"]["sampler"]) < 100  # the description, not the indices
-        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, num_consumers=2, consumer_index=1,
-                                   job_name="other", timeout=60) as other:
-            with pytest.raises(dpex.DpexConfigError, match="consumer 0 of 1.*consumer 1 of 2"):
-                other.load_state_dict(sd)
-            with pytest.raises(dpex.DpexConfigError, match="not a RemoteDataLoader state dict"):
-                other.load_state_dict({"epoch": 3})
+        refusals = {
+            "consumer 0 of 1.*consumer 1 of 2.*list of all 1 ranks": dict(num_consumers=2, consumer_index=1,
+                                                                           job_name="other"),
+            "dataset length 103.*dataset length 50": dict(dataset=dpex.DatasetSpec("dpex.client.options:Indices",
+                                                                                   50)),
+            "batch size 4.*batch size 5": dict(batch_size=5),
+            "job 'saved'.*job is 'another'": dict(job_name="another"),
+        }
+        for message, kwargs in refusals.items():
+            kwargs = {"dataset": SPEC, "batch_size": B, **kwargs}
+            with dpex.RemoteDataLoader(c.address, kwargs.pop("dataset"), timeout=60, **kwargs) as other:
+                with pytest.raises(dpex.DpexConfigError, match=message):
+                    other.load_state_dict(sd)
+                with pytest.raises(dpex.DpexConfigError, match="not a RemoteDataLoader state dict"):
+                    other.load_state_dict({"epoch": 3})
+                with pytest.raises(dpex.DpexConfigError, match="version 1; this Dpex reads version 2"):
+                    other.load_state_dict(dict(sd, version=1))
+                assert [b.tolist() for b in other][:1] != []  # refused: nothing changed, it plans afresh
+
+
+def ddp_epoch(ranks, epoch, n=N, seed=7):
+    """What torch's DistributedSampler gives each of ``ranks`` ranks in ``epoch``."""
+    out = []
+    for rank in range(ranks):
+        sampler = tud.DistributedSampler(range(n), num_replicas=ranks, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        out.append([b.tolist() for b in tud.DataLoader(range(n), batch_size=B, sampler=sampler)])
+    return out
+
+
+def lockstep(loaders, epoch, stop_at=None):
+    """One epoch of every rank's loader, a batch of each in turn (as DDP steps
+    them); stops after ``stop_at`` steps: each rank's batches."""
+    got = [[] for _ in loaders]
+    for dl in loaders:
+        dl.set_epoch(epoch)
+    for step, batches in enumerate(zip(*loaders)):
+        for mine, batch in zip(got, batches):
+            mine.append(batch.tolist())
+        if step + 1 == stop_at:
+            break
+    return got
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (4, 2)])
+def test_an_elastic_resume_sees_every_sample_of_the_epoch_once(before, after):
+    """N ranks checkpoint mid-epoch; M ranks, each given all N state dicts,
+    see the samples no rank had seen, each once (DistributedSampler's padding
+    aside), in equal shares; the next epoch is what M ranks plan. (2 ranks to
+    1: test_ddp_resume.py, under torchrun.)"""
+    with test_cluster(num_workers=2) as c:
+        def loaders(ranks, job):
+            return [dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, seed=7, timeout=60,
+                                          num_consumers=ranks, consumer_index=r, job_name=job)
+                    for r in range(ranks)]
+        old = loaders(before, f"before-{before}")
+        stop_at = random.randrange(1, len(old[0]))
+        seen = lockstep(old, 0, stop_at)
+        assert seen == [batches[:stop_at] for batches in ddp_epoch(before, 0)]
+        states = [torch_roundtrip(dl.state_dict()) for dl in old]
+        for dl in old:
+            dl.close()
+        new = loaders(after, f"after-{after}")
+        for dl in new:
+            dl.load_state_dict(states)
+        rest = lockstep(new, 0)
+        assert len({len(batches) for batches in rest}) == 1, "every rank gets as many batches"
+        given = [i for batches in seen for b in batches for i in b]
+        left = [i for batches in rest for b in batches for i in b]
+        remaining = N - len(set(given))
+        padding = 0 if remaining % after == 0 else after - remaining % after
+        assert sorted(set(given) | set(left)) == list(range(N)) and not set(given) & set(left)
+        assert len(left) == remaining + padding and len(set(left)) == remaining
+        assert lockstep(new, 1) == ddp_epoch(after, 1), "the next epoch is what M ranks plan"
+        for dl in new:
+            dl.close()
 
 
 TRAINER = textwrap.dedent("""
