@@ -4,18 +4,31 @@ scenarios of the original Dpex: one process, nn.DataParallel, and DDP.
     python examples/train_digits.py --mode single [--distribute]
     python examples/train_digits.py --mode dp [--distribute]
     torchrun --nproc_per_node=2 examples/train_digits.py --mode ddp [--distribute]
+    python examples/train_digits.py --distribute --checkpoint ckpt.pt [--checkpoint-every 10]
 
 The only difference between the two data paths is the `distribute_mode` flag.
 With --distribute, loading runs on Dpex workers: at $DPEX_DISPATCHER if set,
 otherwise on an embedded local cluster. --bug swaps in the original project's
 BugDataset, whose __getitem__ divides by zero. --out writes the per-step
-losses, the batches each rank saw and the test accuracy as JSON.
+losses, the batches each rank saw, the test accuracy and a digest of the
+final parameters as JSON.
+
+--checkpoint PATH (with --distribute) saves the model, the optimizer, the
+loader's state and torch's RNG every --checkpoint-every steps (each DDP rank
+to PATH.rank<r>) and, when PATH is there, resumes from it: mid-epoch, the
+loader yields the batches the interrupted run had not trained on, so the
+final parameters are bitwise those of an uninterrupted run. A DDP run may
+resume with another number of ranks: each rank is given every saved rank's
+loader state. --kill-after N SIGKILLs the run after step N (a preemption).
 """
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import os
+import signal
 
 import numpy as np
 import torch
@@ -53,6 +66,20 @@ def model() -> nn.Module:
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 10))
 
 
+def save(path: str, checkpoint: dict) -> None:
+    """Writes the checkpoint whole or not at all (a kill mid-write keeps the last one)."""
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def saved_checkpoints(path: str, ddp: bool) -> list[str]:
+    """The checkpoint files of the run to resume: PATH, or every rank's PATH.rank<r>, in rank order."""
+    if not ddp:
+        return [path] if os.path.exists(path) else []
+    ranks = [p for p in glob.glob(glob.escape(path) + ".rank*") if p.rsplit(".rank", 1)[1].isdigit()]
+    return sorted(ranks, key=lambda p: int(p.rsplit(".rank", 1)[1]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["single", "dp", "ddp"], default="single")
@@ -62,7 +89,12 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--bug", action="store_true", help="use the BugDataset")
     p.add_argument("--out", default=None)
+    p.add_argument("--checkpoint", default=None, metavar="PATH", help="save to / resume from PATH")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K", help="steps between checkpoints")
+    p.add_argument("--kill-after", type=int, default=None, metavar="N", help="SIGKILL this run after step N")
     args = p.parse_args()
+    if args.checkpoint and not args.distribute:
+        p.error("--checkpoint needs --distribute (torch's DataLoader has no state_dict to resume from)")
 
     ddp = args.mode == "ddp"
     rank, world = 0, 1
@@ -85,13 +117,26 @@ def main() -> None:
                             shuffle=sampler is None, sampler=sampler, num_workers=args.num_workers,
                             generator=torch.Generator().manual_seed(0),
                             pin_memory=device.type == "cuda")
-    losses, seen = [], []
-    for epoch in range(args.epochs):
+    losses, seen, step, start = [], [], 0, 0
+    mine = f"{args.checkpoint}.rank{rank}" if ddp else args.checkpoint
+    saved = saved_checkpoints(args.checkpoint, ddp) if args.checkpoint else []
+    if saved:
+        ckpts = [torch.load(path, weights_only=False) for path in saved]
+        ckpt = ckpts[rank] if rank < len(ckpts) else ckpts[0]
+        (net.module if hasattr(net, "module") else net).load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        loader.load_state_dict([c["loader"] for c in ckpts])  # one rank's, or all for a new world size
+        torch.set_rng_state(ckpt["rng"])
+        losses, seen, step, start = ckpt["losses"], ckpt["seen"], ckpt["step"], ckpt["epoch"]
+        print(f"rank {rank}: resumed from step {step} (epoch {start})", flush=True)
+    for epoch in range(start, args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
         net.train()
-        ids = []
-        for x, y, i in loader:
+        if len(seen) == epoch:
+            seen.append([])
+        ids = seen[epoch]
+        for x, y, i in loader:  # a resumed epoch: the batches the interrupted run had not trained on
             x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = loss_fn(net(x), y)
@@ -99,7 +144,15 @@ def main() -> None:
             opt.step()
             losses.append(loss.item())
             ids.append(i.tolist())
-        seen.append(ids)
+            step += 1
+            if args.checkpoint and step % args.checkpoint_every == 0:
+                save(mine, {"model": (net.module if hasattr(net, "module") else net).state_dict(),
+                            "optimizer": opt.state_dict(), "loader": loader.state_dict(),
+                            "rng": torch.get_rng_state(), "losses": losses, "seen": seen, "step": step,
+                            "epoch": epoch})
+            if step == args.kill_after:
+                print(f"rank {rank}: killed after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank {rank} epoch {epoch}: {len(ids)} batches, last loss {losses[-1]:.4f}", flush=True)
 
     net.eval()
@@ -113,8 +166,11 @@ def main() -> None:
     print(f"rank {rank}: test accuracy {accuracy:.4f}, final loss {losses[-1]:.4f}", flush=True)
     if args.out:
         path = args.out if not ddp else f"{args.out}.rank{rank}"
+        params = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes()
+                                         for t in net.state_dict().values())).hexdigest()
         with open(path, "w") as f:
-            json.dump({"rank": rank, "world": world, "losses": losses, "seen": seen, "accuracy": accuracy}, f)
+            json.dump({"rank": rank, "world": world, "losses": losses, "seen": seen, "accuracy": accuracy,
+                       "params": params}, f)
     for l in (loader, test):
         if hasattr(l, "close"):
             l.close()

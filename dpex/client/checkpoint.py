@@ -1,7 +1,7 @@
 """A loader's state dict: where its epochs stand, in a few numbers.
 
-``RemoteDataLoader.state_dict()`` returns plain Python values (torch.save
-them with the model): the number of ``iter()`` calls so far, the epoch in
+``RemoteDataLoader.state_dict()`` returns plain Python values and byte
+tensors (torch.save them with the model): the number of ``iter()`` calls so far, the epoch in
 progress as it was sent to the dispatcher (its base seed and sampler
 description, its index batches for a sampler Dpex cannot describe, or its
 number of streams for an IterableDataset), the batches of it the training
@@ -116,7 +116,7 @@ class EpochState:
     def to_dict(self) -> dict[str, Any]:
         explicit = self.batches is not None and self.reshard is None
         return {"epoch": self.epoch, "base_seed": self.base_seed, "num_batches": self.num_batches,
-                "sampler": self.sampler.SerializeToString() if self.sampler is not None else None,
+                "sampler": blob(self.sampler.SerializeToString()) if self.sampler is not None else None,
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
                 "reshard": self.reshard, "num_streams": self.num_streams,
                 "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()]}
@@ -127,7 +127,7 @@ class EpochState:
         if d["reshard"] is not None:
             batches = [dpb.IndexBatch(indices=b) for b in reshard(**d["reshard"])]
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
-                   sampler=dpb.SamplerSpec.FromString(d["sampler"]) if d["sampler"] is not None else None,
+                   sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
                    progress=Progress([tuple(r) for r in d["done"]], d["num_streams"], d["ends"]))
 
@@ -187,7 +187,7 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
     if any(d["num_streams"] for d in planned):
         raise DpexConfigError("load_state_dict: an IterableDataset epoch cannot be resumed with another "
                               "number of consumers; take the checkpoint between epochs")
-    spec = dpb.SamplerSpec.FromString(planned[0]["sampler"]) if planned[0]["sampler"] is not None else None
+    spec = dpb.SamplerSpec.FromString(unblob(planned[0]["sampler"])) if planned[0]["sampler"] is not None else None
     args = dict(sources=sources, world=world, rank=rank, batch_size=batch_size, drop_last=drop_last,
                 sampler_drop_last=bool(spec is not None and spec.kind == spec.DISTRIBUTED
                                        and spec.sampler_drop_last))
@@ -197,12 +197,25 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
                                  "ends": {}, "done": []})
 
 
-def pack_generator(state: bytes) -> bytes:
-    return zlib.compress(state)
+def blob(data: bytes) -> Any:
+    """Bytes as a uint8 tensor: torch.save writes a tensor's bytes as they are
+    (a ``bytes`` value, pickled with protocol 2, grows by half)."""
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def unpack_generator(packed: bytes) -> bytes:
-    return zlib.decompress(packed)
+def unblob(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else value.numpy().tobytes()
+
+
+def pack_generator(generator: Any) -> Any:
+    """A torch.Generator's state, zlib'd (its 32-bit words sit in 64-bit slots)."""
+    return blob(zlib.compress(generator.get_state().numpy().tobytes()))
+
+
+def restore_generator(generator: Any, packed: Any) -> None:
+    import torch
+    generator.set_state(torch.frombuffer(bytearray(zlib.decompress(unblob(packed))), dtype=torch.uint8))
 
 
 def check(sd: Any, length: int, batch_size: int | None) -> None:

@@ -344,8 +344,8 @@ class RemoteDataLoader:
         return iterator
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands, to save with a checkpoint (plain values,
-        for ``torch.save``): call it between batches. A loader built with the
+        """Where this loader stands, to save with a checkpoint (plain values and
+        byte tensors, for ``torch.save``): call it between batches. A loader built with the
         same arguments and given it by :meth:`load_state_dict` before ``iter()``
         yields the rest of the epoch, then the next epochs, as this one would
         (torch's global RNG, which a shuffle without ``generator``/``seed``
@@ -360,7 +360,7 @@ class RemoteDataLoader:
                               else None, "generator": None, "samplers": {}}
         generator = self._plan_generator()
         if generator is not None:
-            sd["generator"] = checkpoint.pack_generator(bytes(generator.get_state().numpy()))
+            sd["generator"] = checkpoint.pack_generator(generator)
         for name, s in self._samplers():
             if callable(getattr(s, "state_dict", None)):
                 sd["samplers"][name] = s.state_dict()
@@ -387,9 +387,7 @@ class RemoteDataLoader:
             self._epoch_counter = self._resume.epoch
         generator = self._plan_generator()
         if state_dict["generator"] is not None and generator is not None:
-            import torch
-            state = checkpoint.unpack_generator(state_dict["generator"])
-            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            checkpoint.restore_generator(generator, state_dict["generator"])
         for name, s in self._samplers():
             if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
                 s.load_state_dict(state_dict["samplers"][name])

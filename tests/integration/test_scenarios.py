@@ -3,6 +3,8 @@
 import gc
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +50,19 @@ def test_ddp_with_torchrun_gives_each_rank_its_shard(cluster, tmp_path):
     assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(1500))
     for ours, theirs in zip(ranks, torch_ranks):
         assert ours["seen"] == theirs["seen"] and ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+
+
+def test_a_preempted_run_resumes_from_its_checkpoint_to_the_same_parameters(cluster, tmp_path):
+    """--checkpoint every 7 steps, SIGKILLed after a random step, run again:
+    the final model is bitwise the uninterrupted run's."""
+    (whole,) = train(cluster, tmp_path, "single", True, "--epochs", "2")
+    ckpt, kill_after = str(tmp_path / "ckpt.pt"), random.randrange(8, 90)
+    every = ["--epochs", "2", "--checkpoint", ckpt, "--checkpoint-every", "7"]
+    killed = train(cluster, tmp_path, "single", True, *every, "--kill-after", str(kill_after), check=False)
+    assert killed.returncode == -signal.SIGKILL and f"killed after step {kill_after}" in killed.stdout
+    (resumed,) = train(cluster, tmp_path, "single", True, *every)
+    assert resumed["params"] == whole["params"], f"killed after {kill_after}"
+    assert resumed["losses"] == whole["losses"] and resumed["seen"] == whole["seen"]
 
 
 def test_bug_dataset_fails_with_a_clear_error(cluster, tmp_path):
