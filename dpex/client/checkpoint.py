@@ -38,10 +38,16 @@ class Progress:
     j*N+k, and a stream's seqs past its end (``ends``) count as passed."""
 
     def __init__(self, done: list[tuple[int, int]] = (), num_streams: int = 0,
-                 ends: dict[int, int] | None = None) -> None:
+                 ends: dict[int, int] | None = None,
+                 stream_states: dict[int, tuple[int, bytes]] | None = None) -> None:
         self.ended = False  # the loop saw the epoch's end (StopIteration)
         self.num_streams = num_streams
         self.ends: dict[int, int] = dict(ends or {})  # stream -> its number of batches, once known
+        # A dataset with its own state_dict: stream -> (j, its state after batch j-1), j the
+        # stream's first batch not given; states of batches given past a gap wait in _states.
+        self.stream_states: dict[int, tuple[int, bytes]] = dict(stream_states or {})
+        self._offered: dict[int, bytes] = {}  # seq -> state, received, not given to the loop yet
+        self._states: dict[int, bytes] = {}   # seq -> state, given, past a gap in its stream
         self.low = 0
         self.ahead: set[int] = set()
         self._lock = threading.Lock()  # the fetcher learns ends in its thread; the loop adds seqs
@@ -63,6 +69,26 @@ class Progress:
                 self._settle()
             elif seq > self.low:
                 self.ahead.add(seq)
+            state = self._offered.pop(seq, None)
+            if state is not None:
+                self._states[seq] = state
+                self._advance_stream(seq % self.num_streams)
+
+    def offer(self, seq: int, state: bytes) -> None:
+        """The dataset's state after batch ``seq``, kept once the loop is given the batch."""
+        with self._lock:
+            self._offered[seq] = state
+
+    def _given(self, seq: int) -> bool:
+        return (seq < self.low and self.exists(seq)) or seq in self.ahead
+
+    def _advance_stream(self, k: int) -> None:
+        j, state = self.stream_states.get(k, (0, b""))
+        while self._given(j * self.num_streams + k) and j * self.num_streams + k in self._states:
+            state = self._states.pop(j * self.num_streams + k)
+            j += 1
+        if state:
+            self.stream_states[k] = (j, state)
 
     def end_stream(self, stream: int, end: int) -> None:
         """Stream ``stream`` has ``end`` batches: its later seqs never come."""
@@ -119,7 +145,8 @@ class EpochState:
                 "sampler": blob(self.sampler.SerializeToString()) if self.sampler is not None else None,
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
                 "reshard": self.reshard, "num_streams": self.num_streams,
-                "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()]}
+                "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()],
+                "stream_states": {k: (j, blob(state)) for k, (j, state) in self.progress.stream_states.items()}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
@@ -129,7 +156,8 @@ class EpochState:
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
-                   progress=Progress([tuple(r) for r in d["done"]], d["num_streams"], d["ends"]))
+                   progress=Progress([tuple(r) for r in d["done"]], d["num_streams"], d["ends"],
+                                     {k: (j, unblob(state)) for k, (j, state) in d["stream_states"].items()}))
 
     def index_batches(self) -> list[list[int]]:
         """Every index batch of the epoch, in seq order."""
@@ -194,7 +222,7 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
     base = sources[rank % len(sources)] or planned[0]
     return EpochState.from_dict({"epoch": base["epoch"], "base_seed": base["base_seed"], "num_batches": 0,
                                  "sampler": None, "batches": None, "reshard": args, "num_streams": 0,
-                                 "ends": {}, "done": []})
+                                 "ends": {}, "done": [], "stream_states": {}})
 
 
 def blob(data: bytes) -> Any:

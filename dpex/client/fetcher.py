@@ -331,6 +331,8 @@ class EpochFetcher:
     def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
         self._yielded += 1
+        if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
+            self.progress.offer(meta.seq, meta.stream_state)
         self._next = meta.seq + 1 if self._ordered else self._next
         if meta.HasField("error"):
             self.close()

@@ -319,6 +319,8 @@ class RemoteDataLoader:
         if resume is not None:
             submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
             submit.resume_id = secrets.randbits(63) + 1
+            submit.stream_starts.extend(dpb.StreamStart(stream=k, next=j, state=state)
+                                        for k, (j, state) in sorted(progress.stream_states.items()))
         try:
             num_batches = self._submit(submit, plan)
         except DpexNotFoundError as e:

@@ -148,6 +148,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                                                    plan.consumer_index, plan.epoch)
         out.first_seq, out.num_batches, out.base_seed = split.first_seq, split.num_batches, plan.base_seed
         out.num_streams = plan.num_streams
+        start = plan.stream_starts.get(split.first_seq) if plan.num_streams else None
+        if start is not None:
+            out.stream_next, out.stream_state = start.next, start.state
         out.delivered_seqs.extend(sorted(split.delivered))
         if plan.sampler is not None:
             out.sampler.CopyFrom(plan.sampler)
@@ -312,7 +315,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 plan_hash=digest, split_size=self._config.split_size_batches, base_seed=request.base_seed,
                 num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches,
-                done=request.done))
+                done=request.done, stream_starts=request.stream_starts))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
                                                     splits=plan.num_splits,

@@ -33,7 +33,8 @@ def take(state: DispatcherState) -> jpb.Snapshot:
                     plan_hash=plan.plan_hash, split_size=plan.split_size, base_seed=plan.base_seed,
                     num_streams=plan.num_streams, sampler=plan.sampler, plan_file=plan.plan_file,
                     num_batches=plan.num_batches, batches=plan.inline,
-                    done=[dpb.SeqRange(start=a, end=b) for a, b in plan.resumed]),
+                    done=[dpb.SeqRange(start=a, end=b) for a, b in plan.resumed],
+                    stream_starts=[plan.stream_starts[k] for k in sorted(plan.stream_starts)]),
                 first_split_id=plan.first_split_id, num_delivered=plan.num_delivered,
                 next_index=plan.next_index, early=sorted(plan.early), returned=sorted(plan.returned),
                 done=plan.done)

@@ -69,6 +69,7 @@ class Plan:
     live: set[int] = field(default_factory=set)       # split ids handed out and not done
     done: int = 0                 # splits delivered or cancelled
     resumed: list[tuple[int, int]] = field(default_factory=list)  # seq ranges delivered before a checkpoint
+    stream_starts: dict[int, dpb.StreamStart] = field(default_factory=dict)  # stream -> where it goes on
 
     @classmethod
     def from_record(cls, u: jpb.SubmitPlan, first_split_id: int, **progress: Any) -> "Plan":
@@ -78,7 +79,8 @@ class Plan:
         plan = cls(u.job_id, u.consumer_index, u.epoch, u.plan_hash, size, num_batches, first_split_id,
                    u.num_streams or -(-num_batches // size), u.base_seed, u.num_streams,
                    sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
-                   inline=list(u.batches), resumed=[(r.start, r.end) for r in u.done], **progress)
+                   inline=list(u.batches), resumed=[(r.start, r.end) for r in u.done],
+                   stream_starts={s.stream: s for s in u.stream_starts}, **progress)
         if not progress:
             plan._skip_resumed()
         return plan

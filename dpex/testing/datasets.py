@@ -181,6 +181,28 @@ class Uneven(torch.utils.data.IterableDataset):
                    "r": torch.randint(0, 1 << 30, ()).item()}
 
 
+class StatefulUneven(Uneven):
+    """Uneven with its own state_dict (torchdata's protocol): a resumed stream
+    starts where its state says; samples tell where their stream started."""
+
+    def __init__(self, per_stream: int = 9) -> None:
+        super().__init__(per_stream)
+        self.start = self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = state["pos"]
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k = 0 if info is None else info.id
+        for j in range(self.start, self.per_stream * (k + 1)):
+            self.pos = j + 1
+            yield {"i": k * 1000 + j, "start": self.start}
+
+
 class Endless(torch.utils.data.IterableDataset):
     """An IterableDataset without __len__: 0, 1, 2, ... (stream k of N takes every N-th)."""
 

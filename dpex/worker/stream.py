@@ -10,8 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import pickle
 import threading
 from typing import Any, Callable
+
+import cloudpickle
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
@@ -49,13 +52,17 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         conn.send_bytes(frame)
         return True
 
-    j, stage = 0, "build"
+    j, stage = split["next"], "build"
     try:
         job = pool.load_job(split["job_id"], job_path)
         stage = "worker_init_fn"
         pool.become_worker(job, split["base_seed"], split["stream"], split["num_streams"])
         if job.worker_init_fn is not None:
             job.worker_init_fn(split["stream"])
+        stateful = callable(getattr(job.dataset, "state_dict", None))
+        if split["state"]:  # a resumed stream: where the dataset said it was after batch next-1
+            stage = "load_state_dict"
+            job.dataset.load_state_dict(pickle.loads(split["state"]))
         stage = "iterate"
         samples = iter(job.dataset)
         while True:
@@ -63,10 +70,12 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
             batch = list(itertools.islice(samples, job.batch_size))
             if not batch or (job.drop_last and len(batch) < job.batch_size):
                 break
+            stage = "state_dict"
+            state = cloudpickle.dumps(job.dataset.state_dict()) if stateful else b""
             stage = "collate"
             collated = pool.collate(job, batch)
             stage = "encode"
-            frame = b"".join(frame_parts(_meta(split, j), wire.encode_parts(collated)))
+            frame = b"".join(frame_parts(_meta(split, j, stream_state=state), wire.encode_parts(collated)))
             if not send(frame):
                 return
             j += 1
@@ -85,13 +94,14 @@ class StreamRunner:
 
     def __init__(self, split: dpb.Split, job_path: str, worker_address: str, buffer_batches: int) -> None:
         self._split = dict(job_id=split.job_id, consumer_index=split.consumer_index, epoch=split.epoch,
-                           stream=split.first_seq, num_streams=split.num_streams, base_seed=split.base_seed)
+                           stream=split.first_seq, num_streams=split.num_streams, base_seed=split.base_seed,
+                           next=split.stream_next, state=split.stream_state)
         self._buffer = buffer_batches
         self._cond = threading.Condition()
         self._ready: dict[int, bytes] = {}
         self._waiters: dict[int, list[Sink]] = {}
         self._end: int | None = None
-        self._granted = self._received = 0
+        self._granted = self._received = split.stream_next  # batches before it were delivered
         self._floor: int | None = None
         self._closed = False
         context = multiprocessing.get_context("spawn")

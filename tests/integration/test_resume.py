@@ -17,12 +17,16 @@ import torch.utils.data._utils.worker as torch_worker
 import torch.utils.data as tud
 
 import dpex
-from dpex.testing import datasets, test_cluster
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.rpc import channel
+from dpex.testing import datasets, test_cluster, wait_until
 
 N, B, EPOCHS = 103, 4, 3
 SPEC = dpex.DatasetSpec("dpex.client.options:Indices", N)
 PROBE = dpex.DatasetSpec("dpex.testing.datasets:WorkerProbe", N)
 UNEVEN = dpex.DatasetSpec("dpex.testing.datasets:Uneven", 9)  # streams of 9, 18, 27 samples
+STATEFUL = dpex.DatasetSpec("dpex.testing.datasets:StatefulUneven", 9)  # the same, with a state_dict
 
 
 class EveryThird(tud.Sampler):
@@ -45,6 +49,8 @@ CASES = {
     "worker seeds": dict(dataset=PROBE, shuffle=True, seed=7, worker_init_fn=datasets.record_worker_init),
     "IterableDataset": dict(dataset=UNEVEN, num_workers=3),
     "IterableDataset unordered": dict(dataset=UNEVEN, num_workers=3, ordered=False),
+    "IterableDataset with state_dict": dict(dataset=STATEFUL, num_workers=3),
+    "IterableDataset with state_dict, unordered": dict(dataset=STATEFUL, num_workers=3, ordered=False),
 }
 
 
@@ -97,15 +103,24 @@ def test_a_resumed_loader_continues_exactly(case):
         whole, _ = run(c.address, kwargs)
         per_epoch = len(whole) // EPOCHS
         assert per_epoch == (26 if "dataset" not in kwargs or kwargs["dataset"] is PROBE else 3 + 5 + 7)
+        assert all(max(b["start"]) == 0 for _, b in whole if isinstance(b, dict) and "start" in b)
         if kwargs.get("dataset") is PROBE:
             assert all(ok for _, batch in whole for _, _, ok in batch)
-        for stop_at in sorted({rng.randrange(1, len(whole)), per_epoch, per_epoch + 1, 2 * per_epoch, 3, 4}):
+        stops = {rng.randrange(1, len(whole)), per_epoch, per_epoch + 1, 2 * per_epoch, 3, 4}
+        if kwargs.get("num_workers"):  # streams are processes started per epoch: fewer, slower runs
+            stops = {rng.randrange(1, per_epoch), per_epoch + rng.randrange(1, per_epoch)}
+        for stop_at in sorted(stops):
             torch.manual_seed(11)
             first, sd = run(c.address, kwargs, stop_at)
             rng_state = torch.get_rng_state()  # a training script saves it with its checkpoint
             torch.manual_seed(99)  # the new process's RNG is anything
             torch.set_rng_state(rng_state)
             rest, _ = run(c.address, kwargs, state=torch_roundtrip(sd))
+            if kwargs.get("dataset") is STATEFUL:  # streams went on from their states, not from their starts
+                resumed_epoch = [b for e, b in rest if e == first[-1][0]]
+                assert (stop_at % per_epoch == 0 or kwargs.get("ordered") is False
+                        or any(max(b["start"]) > 0 for b in resumed_epoch))
+                rest = [(e, dict(b, start=[0] * len(b["start"]))) for e, b in rest]
             if kwargs.get("ordered") is False:  # the same batches of each epoch, in any order
                 key = lambda bs: sorted((e, repr(b)) for e, b in bs)  # noqa: E731
                 assert key(first + rest) == key(whole), f"stop at {stop_at}, seed {seed}"
@@ -148,6 +163,21 @@ def test_a_state_dict_is_small_and_refused_when_it_does_not_fit():
                 with pytest.raises(dpex.DpexConfigError, match="version 1; this Dpex reads version 2"):
                     other.load_state_dict(dict(sd, version=1))
                 assert [b.tolist() for b in other][:1] != []  # refused: nothing changed, it plans afresh
+
+
+def test_a_state_dict_outlives_its_collected_job():
+    """The job of a checkpoint is collected (no trainer for --job-gc-timeout):
+    a loader given the state makes a fresh job and goes on exactly."""
+    with test_cluster(num_workers=1, dispatcher_flags=("--job-gc-timeout", "1")) as c:
+        kwargs = dict(shuffle=True, seed=7, job_name="kept")
+        whole, _ = run(c.address, kwargs)
+        first, sd = run(c.address, kwargs, stop_at=30)
+        with channel(c.address) as ch:
+            stub = dgrpc.DispatcherStub(ch)
+            wait_until(lambda: not [j for j in stub.GetStatus(dpb.GetStatusRequest(), timeout=5).jobs
+                                    if j.name == "kept"], 30, "the job to be collected")
+        rest, _ = run(c.address, kwargs, state=sd)
+        assert first + rest == whole
 
 
 def ddp_epoch(ranks, epoch, n=N, seed=7):

@@ -76,3 +76,35 @@ def test_an_elastic_reshard_gives_each_left_sample_once_in_equal_shares(before, 
 
 def test_between_epochs_there_is_nothing_to_reshard():
     assert elastic([{"epochs_started": 2, "epoch": None}] * 2, 3, 0, 4, False) is None
+
+
+def test_a_resharded_epoch_reshards_again_from_its_small_state():
+    """2 ranks -> 3 (each takes some of its share) -> 2: still each left sample once."""
+    states = [state(2, r, range(3)) for r in range(2)]
+    given = set()
+    for sd in states:
+        e = EpochState.from_dict(sd["epoch"])
+        given.update(i for seq in e.progress.seqs() for i in e.index_batches()[seq])
+    middle = []
+    for m in range(3):
+        share = elastic(states, 3, m, 4, False)
+        for seq in range(m + 1):  # rank m was given m + 1 batches of its share
+            share.progress.add(seq)
+            given.update(share.index_batches()[seq])
+        middle.append({"epochs_started": 1, "epoch": share.to_dict()})
+        assert middle[-1]["epoch"]["batches"] is None  # the 2 sources, not the share
+    left = [i for m in range(2) for b in elastic(middle, 2, m, 4, False).index_batches() for i in b]
+    assert set(left) == set(range(103)) - given and not set(left) & given
+
+
+def test_a_stream_state_is_kept_for_the_batches_given_without_a_gap():
+    p = Progress(num_streams=2)
+    for seq in range(6):  # stream 0: j 0, 1, 2; stream 1: j 0, 1, 2
+        p.offer(seq, b"after %d" % seq)
+    for seq in (0, 1, 2, 5):  # seq 3 (stream 1, j 1) not given yet
+        p.add(seq)
+    assert p.stream_states == {0: (2, b"after 2"), 1: (1, b"after 1")}
+    p.add(3)  # the gap closes: stream 1 goes on after j 2 (seq 5)
+    assert p.stream_states == {0: (2, b"after 2"), 1: (3, b"after 5")}
+    again = EpochState.from_dict(EpochState(0, 1, 0, progress=p, num_streams=2).to_dict()).progress
+    assert again.stream_states == p.stream_states and again.seqs() == p.seqs()
