@@ -39,12 +39,34 @@ class EveryThird(tud.Sampler):
         return iter([i for r in range(3) for i in range(r, N, 3)])
 
 
+class Rotating(tud.Sampler):
+    """A sampler with its own state (torchdata's protocol): each epoch's order
+    is rotated by how many epochs it made before."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def __len__(self):
+        return N
+
+    def __iter__(self):
+        shift, self.epochs = self.epochs * 7 % N, self.epochs + 1
+        return iter([(i + shift) % N for i in range(N)])
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.epochs = state["epochs"]
+
+
 CASES = {
     "seed": dict(shuffle=True, seed=7),
     "generator": dict(shuffle=True, generator=torch.Generator().manual_seed(3)),
     "global RNG": dict(shuffle=True),
     "unordered": dict(shuffle=True, seed=7, ordered=False),
     "custom sampler": dict(sampler=EveryThird()),
+    "sampler with a state_dict": dict(sampler=Rotating()),
     "explicit plans": dict(shuffle=True, seed=7, compact_plans=False),
     "worker seeds": dict(dataset=PROBE, shuffle=True, seed=7, worker_init_fn=datasets.record_worker_init),
     "IterableDataset": dict(dataset=UNEVEN, num_workers=3),
@@ -78,6 +100,8 @@ def run(address, kwargs, stop_at=None, state=None):
     kwargs = dict(kwargs)
     if "generator" in kwargs:  # every loader starts from the same generator, as a new process would
         kwargs["generator"] = torch.Generator().manual_seed(3)
+    if isinstance(kwargs.get("sampler"), Rotating):  # and from a new sampler: its state comes from the state dict
+        kwargs["sampler"] = Rotating()
     dataset = kwargs.pop("dataset", SPEC)
     got, sd = [], None
     with dpex.RemoteDataLoader(address, dataset, batch_size=B, timeout=60, **kwargs) as dl:
