@@ -135,8 +135,8 @@ class DpexDataLoader:
         """See :meth:`RemoteDataLoader.state_dict` (torchdata's StatefulDataLoader usage)."""
         return self._remote.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`RemoteDataLoader.load_state_dict`."""
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """See :meth:`RemoteDataLoader.load_state_dict` (under DDP: every rank's state dicts, as a list)."""
         self._remote.load_state_dict(state_dict)
 
     def stats(self, reset: bool = False) -> LoaderStats:
