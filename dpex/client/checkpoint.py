@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex.errors import DpexConfigError
+from dpex.plan.seq import stream_seq_exists, streams_limit
 from dpex.proto import dispatcher_pb2 as dpb
 
 FORMAT = "dpex.RemoteDataLoader"
@@ -59,8 +60,7 @@ class Progress:
         self._settle()
 
     def exists(self, seq: int) -> bool:
-        n = self.num_streams
-        return not n or seq // n < self.ends.get(seq % n, math.inf)
+        return not self.num_streams or stream_seq_exists(seq, self.num_streams, self.ends)
 
     def add(self, seq: int) -> None:
         with self._lock:
@@ -96,15 +96,9 @@ class Progress:
             self.ends[stream] = min(self.ends.get(stream, end), end)
             self._settle()
 
-    def _limit(self) -> float:
-        n = self.num_streams
-        if not n or len(self.ends) < n:
-            return math.inf
-        return max(((j - 1) * n + k + 1 for k, j in self.ends.items() if j > 0), default=0)
-
     def _settle(self) -> None:
-        limit = self._limit()
-        while self.low < limit and (self.low in self.ahead or not self.exists(self.low)):
+        limit = streams_limit(self.num_streams, self.ends) if self.num_streams else None
+        while (limit is None or self.low < limit) and (self.low in self.ahead or not self.exists(self.low)):
             self.ahead.discard(self.low)
             self.low += 1
 
@@ -220,9 +214,8 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
                 sampler_drop_last=bool(spec is not None and spec.kind == spec.DISTRIBUTED
                                        and spec.sampler_drop_last))
     base = sources[rank % len(sources)] or planned[0]
-    return EpochState.from_dict({"epoch": base["epoch"], "base_seed": base["base_seed"], "num_batches": 0,
-                                 "sampler": None, "batches": None, "reshard": args, "num_streams": 0,
-                                 "ends": {}, "done": [], "stream_states": {}})
+    batches = [dpb.IndexBatch(indices=b) for b in reshard(**args)]
+    return EpochState(base["epoch"], base["base_seed"], len(batches), batches=batches, reshard=args)
 
 
 def blob(data: bytes) -> Any:
@@ -242,8 +235,7 @@ def pack_generator(generator: Any) -> Any:
 
 
 def restore_generator(generator: Any, packed: Any) -> None:
-    import torch
-    generator.set_state(torch.frombuffer(bytearray(zlib.decompress(unblob(packed))), dtype=torch.uint8))
+    generator.set_state(blob(zlib.decompress(unblob(packed))))
 
 
 def check(sd: Any, length: int, batch_size: int | None) -> None:

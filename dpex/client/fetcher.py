@@ -22,6 +22,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
 from dpex.client.checkpoint import Progress
+from dpex.plan.seq import stream_seq_exists, streams_limit
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
 from dpex.wire import decode, parse_frame
@@ -194,7 +195,6 @@ class EpochFetcher:
         self._num = num_batches
         self._dataset = dataset
         self._n = num_streams
-        self._ends: dict[int, int] = {}            # stream -> its number of batches
         self._window = window
         self._group = max(1, window // 4)
         self._ordered = ordered
@@ -213,7 +213,6 @@ class EpochFetcher:
         self.progress = progress or Progress()
         self._resumed = self.progress.seqs()       # given before a checkpoint: not asked for
         self._delivered |= self._resumed
-        self._ends.update(self.progress.ends)      # streams that ended before a checkpoint
         self._yielded = len(self._resumed)
         self._workers_alive = -1
         self._meter = meter or StatsMeter()
@@ -242,22 +241,16 @@ class EpochFetcher:
     # ---- plan (map-style) or streams (IterableDataset) ----------------------
     def _limit(self) -> int | None:
         """Seqs from here on do not exist; None while a stream may go on."""
-        if not self._n:
-            return self._num
-        if len(self._ends) < self._n:
-            return None
-        return max(((j - 1) * self._n + k + 1 for k, j in self._ends.items() if j > 0), default=0)
+        return streams_limit(self._n, self.progress.ends) if self._n else self._num
 
     def _exists(self, seq: int) -> bool:
-        if not self._n:
-            return seq < self._num
-        end = self._ends.get(seq % self._n)
-        return end is None or seq // self._n < end
+        return stream_seq_exists(seq, self._n, self.progress.ends) if self._n else seq < self._num
 
     def _total(self) -> int | None:
         if not self._n:
             return self._num
-        return sum(self._ends.values()) if len(self._ends) == self._n else None
+        ends = self.progress.ends
+        return sum(ends.values()) if len(ends) == self._n else None
 
     def _owner_key(self, seq: int) -> int:
         return seq % self._n if self._n else seq
@@ -427,8 +420,7 @@ class EpochFetcher:
             return False
         if meta.end_of_stream and self._n:
             stream, end = seq % self._n, seq // self._n
-            self._ends[stream] = min(self._ends.get(stream, end), end)
-            self.progress.end_stream(stream, end)
+            self.progress.end_stream(stream, end)  # what the fetcher knows of ends, too
             for s in [s for s in (*self._requested, *self._retry) if not self._exists(s)]:
                 self._requested.pop(s, None)
                 self._retry.discard(s)

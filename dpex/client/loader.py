@@ -378,12 +378,12 @@ class RemoteDataLoader:
         the samples of the interrupted epoch that no rank's loop was given are
         shared out by DistributedSampler's rule (each once, padded to equal
         shares), and the next epochs are planned for the new number of ranks."""
-        named = self.job_name if self._named_job else None
-        for sd in state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]:
+        if isinstance(state_dict, tuple):
+            state_dict = list(state_dict)
+        for sd in state_dict if isinstance(state_dict, list) else [state_dict]:
             checkpoint.check(sd, self._length, self._batch_size)
-        state_dict, self._resume = checkpoint.select(
-            list(state_dict) if isinstance(state_dict, tuple) else state_dict,
-            self.num_consumers, self.consumer_index, named)
+        state_dict, self._resume = checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
+                                                     self.job_name if self._named_job else None)
         self._epoch_counter = state_dict["epochs_started"]
         if self._resume is not None:
             self._epoch_counter = self._resume.epoch

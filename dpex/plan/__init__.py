@@ -1,1 +1,2 @@
-"""Epoch plans: torch samplers described (samplers), explicit batches chunked (spec)."""
+"""Epoch plans: torch samplers described (samplers), explicit batches chunked (spec),
+IterableDataset stream seqs (seq)."""
