@@ -103,7 +103,7 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    net = model().to(device)
+    net = bare = model().to(device)  # bare: the model without its DataParallel/DDP wrapper, to save
     if args.mode == "dp":
         net = nn.DataParallel(net)
     elif ddp:
@@ -123,7 +123,7 @@ def main() -> None:
     if saved:
         ckpts = [torch.load(path, weights_only=False) for path in saved]
         ckpt = ckpts[rank] if rank < len(ckpts) else ckpts[0]
-        (net.module if hasattr(net, "module") else net).load_state_dict(ckpt["model"])
+        bare.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict([c["loader"] for c in ckpts])  # one rank's, or all for a new world size
         torch.set_rng_state(ckpt["rng"])
@@ -146,7 +146,7 @@ def main() -> None:
             ids.append(i.tolist())
             step += 1
             if args.checkpoint and step % args.checkpoint_every == 0:
-                save(mine, {"model": (net.module if hasattr(net, "module") else net).state_dict(),
+                save(mine, {"model": bare.state_dict(),
                             "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                             "rng": torch.get_rng_state(), "losses": losses, "seen": seen, "step": step,
                             "epoch": epoch})
