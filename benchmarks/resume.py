@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import dpex  # noqa: E402
-from dpex.cluster import LocalCluster  # noqa: E402
+from dpex.launch.local import LocalCluster  # noqa: E402
 
 CASES = {
     "global RNG": dict(shuffle=True),

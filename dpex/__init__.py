@@ -12,7 +12,7 @@ _EXPORTS = {
     "RemoteDataLoader": "dpex.client.loader",
     "DpexDataLoader": "dpex.client.compat",
     "LoaderStats": "dpex.client.stats",
-    "LocalCluster": "dpex.cluster",
+    "LocalCluster": "dpex.launch.local",
     "DatasetSpec": "dpex.dataset",
     **{name: "dpex.errors" for name in (
         "DpexError", "DpexAuthError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from dpex.client.compat import DpexDataLoader
     from dpex.client.loader import RemoteDataLoader
     from dpex.client.stats import LoaderStats
-    from dpex.cluster import LocalCluster
+    from dpex.launch.local import LocalCluster
     from dpex.dataset import DatasetSpec
     from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,
                              DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,

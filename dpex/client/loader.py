@@ -222,7 +222,7 @@ class RemoteDataLoader:
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
             if address is None:
-                from dpex.cluster import LocalCluster
+                from dpex.launch.local import LocalCluster
                 # Nobody else uses it: its worker need not drain when the loader closes.
                 self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1,
                                                  auth_token=token, drain_timeout_s=0)

@@ -6,7 +6,7 @@ import re
 import time
 from typing import Any, Callable
 
-from dpex.cluster import LocalCluster
+from dpex.launch.local import LocalCluster
 from dpex.procutil import alive
 
 
