@@ -72,6 +72,7 @@ class WorkerConfig:
     shm_min_bytes: int = 1 << 20         # smaller frames take the pipe and gRPC
     data_port: int | None = 0            # frames to other hosts on a TCP socket; 0: a free port, None: off
     drain_timeout_s: float = 2.0         # on SIGTERM, answer in-flight calls this long, then kill and exit
+    data_paths: tuple[str, ...] = ()     # local data this node must have; a worker without one refuses to start
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")

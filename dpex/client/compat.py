@@ -7,7 +7,6 @@ RemoteDataLoader and keeps torch's semantics for everything else.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterator
 
 from torch.utils.data import DataLoader
@@ -17,18 +16,15 @@ from dpex.client.stats import LoaderStats
 from dpex.errors import DpexConfigError, DpexTimeoutError
 
 
-def resolve_head_address(head_address: str | None) -> str | None:
-    """"auto": $DPEX_DISPATCHER if set, else None (an embedded local cluster)."""
-    if head_address is None or head_address == "auto":
-        return os.environ.get("DPEX_DISPATCHER") or None
-    return head_address
-
-
 class DpexDataLoader:
     """``DataLoader(...)`` → ``DpexDataLoader(..., distribute_mode=True)``.
 
-    In distribute mode, ``head_address`` is the dispatcher (``"auto"``:
-    ``$DPEX_DISPATCHER`` or an embedded cluster of ``num_workers`` processes);
+    In distribute mode, ``head_address`` says where loading runs:
+    ``"auto"`` is ``$DPEX_DISPATCHER``, else the Ray cluster this machine
+    belongs to (Dpex started on it, see :mod:`dpex.ray`), else an embedded
+    cluster of ``num_workers`` processes; ``"ray://HOST:PORT"`` or a Ray
+    head's ``HOST:6379`` is that Ray cluster; ``"dpex://HOST:PORT"`` or
+    another ``HOST:PORT`` is a Dpex dispatcher (see ``dpex.launch.head``);
     ``num_workers`` is how many worker processes the job asks for (and, with
     ``prefetch_factor``, how many batches are requested ahead); the dataset
     instance is shipped to the workers by value (see ``dpex.DatasetSpec`` for
@@ -87,15 +83,15 @@ class DpexDataLoader:
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = persistent_workers
         self.in_order = in_order
-        self.head_address = resolve_head_address(head_address)
         self._remote = RemoteDataLoader(
-            self.head_address, dataset, batch_size=batch_size, shuffle=bool(shuffle), drop_last=drop_last,
+            "auto" if head_address is None else head_address, dataset, batch_size=batch_size, shuffle=bool(shuffle), drop_last=drop_last,
             sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn, ordered=in_order,
             timeout=timeout or None, generator=generator,
             window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,
             persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
             num_workers=max(1, num_workers), processes=max(1, num_workers),
             shard=False)  # as torch's DataLoader: only a sampler the user gives shards under DDP
+        self.head_address = self._remote.address  # the dispatcher it chose
 
     # torch's attributes, read from the plan that torch's own classes make
     @property

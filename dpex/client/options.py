@@ -24,7 +24,7 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class LoaderOptions:
     """What a RemoteDataLoader was asked for; defaults are the loader's."""
-    address: str | None = None           # the dispatcher's HOST:PORT; None: an embedded cluster
+    address: str | None = None           # see dpex.launch.head; None: an embedded cluster
     batch_size: int | None = 1           # None only with a batch_sampler
     drop_last: bool = False
     num_consumers: int = 1               # trainers (DDP ranks) sharing the job
@@ -43,8 +43,8 @@ class LoaderOptions:
     compression: str = ""                # "", "lz4" or "zstd"
 
     def __post_init__(self) -> None:
-        if self.address is not None:
-            object.__setattr__(self, "address", check_address(self.address))
+        if self.address is not None and self.address != "auto" and not str(self.address).startswith("ray://"):
+            check_address(self.address)  # dpex://HOST:PORT or HOST:PORT
         _check(self.batch_size is None or _is_int(self.batch_size),
                f"batch_size should be a positive integer value, but got batch_size={self.batch_size!r}")
         _check(_is_int(self.num_consumers) and self.num_consumers >= 1,

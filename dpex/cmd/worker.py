@@ -45,6 +45,9 @@ from dpex.procutil import reuse_freed_memory
 @click.option("--drain-timeout", type=float, default=2.0, envvar="DPEX_DRAIN_TIMEOUT", show_envvar=True,
               help="On SIGTERM: seconds to answer what is in flight after deregistering (the dispatcher "
               "hands this worker's splits to others at once); then batch processes are killed and it exits.")
+@click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,
+              help="Local data this node must have (repeatable; environment variables in it are expanded; "
+              "DPEX_DATA_PATH: paths separated by ':'); without it the worker refuses to start, naming the path.")
 @metrics_option
 @log_options
 @auth_options
@@ -52,7 +55,8 @@ from dpex.procutil import reuse_freed_memory
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
          buffer_batches: int, buffer_mb: float, max_splits: int, heartbeat_interval: float, connect_timeout: float,
-         max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float, metrics_port: int | None, log_level: str,
+         max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
+         data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
@@ -77,7 +81,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca,
                               max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
-                              data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout)
+                              data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
+                              data_paths=tuple(data_paths))
         server = WorkerServer(config)
     except DpexError as e:
         fail(str(e))

@@ -41,7 +41,8 @@ class Daemon:
             return ""
 
 
-def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM (a daemon drains), then SIGKILL after ``timeout_s``."""
     if process.poll() is None:
         process.terminate()
         try:
@@ -49,6 +50,24 @@ def _stop(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def await_ready(name: str, process: subprocess.Popen, ready: str, log_path: str,
+                timeout_s: float) -> Daemon:
+    """Waits for a daemon started with ``--ready-file ready`` to serve; a
+    DpexError with its log's tail if it exits or does not serve in time."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(ready):
+        daemon = Daemon(name, process, "", log_path)
+        if process.poll() is not None:
+            raise DpexError(f"{name} exited with code {process.returncode} at start:\n{daemon.log_tail()}")
+        if time.monotonic() > deadline:
+            stop_process(process)
+            raise DpexError(f"{name} did not start within {timeout_s:g}s:\n{daemon.log_tail()}")
+        time.sleep(0.05)
+    with open(ready) as f:
+        address, *metrics = f.read().split()
+    return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None)
 
 
 class LocalCluster:
@@ -123,22 +142,8 @@ class LocalCluster:
                                        env={**self._env, **(env or {})})
         return process, ready, log_path
 
-    def _await(self, name: str, process: subprocess.Popen, ready: str, log_path: str) -> Daemon:
-        deadline = time.monotonic() + self._start_timeout_s
-        while not os.path.exists(ready):
-            daemon = Daemon(name, process, "", log_path)
-            if process.poll() is not None:
-                raise DpexError(f"{name} exited with code {process.returncode} at start:\n{daemon.log_tail()}")
-            if time.monotonic() > deadline:
-                _stop(process)
-                raise DpexError(f"{name} did not start within {self._start_timeout_s:g}s:\n{daemon.log_tail()}")
-            time.sleep(0.05)
-        with open(ready) as f:
-            address, *metrics = f.read().split()
-        return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None)
-
     def _start(self, name: str, args: list[str]) -> Daemon:
-        return self._await(name, *self._spawn(name, args))
+        return await_ready(name, *self._spawn(name, args), self._start_timeout_s)
 
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
@@ -153,7 +158,7 @@ class LocalCluster:
         started = [self._spawn("worker", self._worker_args(), env) for _ in range(n)]
         daemons = []
         for spawned in started:
-            daemons.append(self._await("worker", *spawned))
+            daemons.append(await_ready("worker", *spawned, self._start_timeout_s))
             with self._lock:
                 self.workers.append(daemons[-1])
         return daemons
@@ -209,9 +214,9 @@ class LocalCluster:
             if daemon.process.poll() is None:
                 daemon.process.terminate()
         for daemon in daemons:
-            _stop(daemon.process)
+            stop_process(daemon.process)
         if dispatcher_box[0] is not None:
-            _stop(dispatcher_box[0].process)
+            stop_process(dispatcher_box[0].process)
         handoff.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
         remove_dead_temp_dirs("worker")
         remove_dead_temp_dirs("dispatcher")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shutil
 import socket
 import threading
@@ -62,9 +63,21 @@ def check_code_source(config: WorkerConfig) -> None:
             "--allow-unauthenticated")
 
 
+def check_data_paths(paths: tuple[str, ...]) -> None:
+    """A worker serves only where the data it was told to expect is (paths
+    may name environment variables): one that started without it would fail
+    every job that reads it."""
+    missing = [p for p in map(os.path.expandvars, paths) if not os.path.exists(p)]
+    if missing:
+        raise DpexConfigError(
+            f"this node ({socket.gethostname()}) has no {', '.join(missing)}: copy the data there (or mount "
+            "it) before starting a worker here; the datasets' DatasetSpecs name paths on the workers")
+
+
 class WorkerServer:
     def __init__(self, config: WorkerConfig) -> None:
         check_code_source(config)
+        check_data_paths(config.data_paths)
         self.config = config
         self._closed = False
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
