@@ -103,6 +103,13 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         pending.add_metric([*ids, "assigned"], j.splits_assigned)
         pending.add_metric([*ids, "unassigned"], j.splits_unassigned)
         consumers.add_metric(ids, j.consumers_active)
+    needed = _gauge("dpex_workers_needed", "Workers the trainers' measured rates call for (0: no trainer "
+                    "reports a need): the target of a worker autoscaler.")
+    needed.add_metric([], status.workers_needed)
+    job_needed = _gauge("dpex_job_workers_needed", "The most workers a consumer of the job reported "
+                        "needing in the last minute.", job_labels)
+    for j in status.jobs:
+        job_needed.add_metric([str(j.job_id), j.name], j.workers_needed)
     heartbeat = _gauge("dpex_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
                        ["worker_id", "address"])
     alive = [w for w in status.workers if w.state == "alive"]
@@ -110,4 +117,5 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, assigned, reassigned, collected, forgotten, planned, delivered, pending, consumers, heartbeat, *loads]
+    return [workers, jobs, assigned, reassigned, collected, forgotten, planned, delivered, pending, consumers,
+            needed, job_needed, heartbeat, *loads]

@@ -54,8 +54,10 @@ class Control:
     """Acks delivered batches and learns who owns the rest, off the hot path."""
 
     def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
-                 results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None) -> None:
+                 results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
+                 need: Callable[[], int] = lambda: 0) -> None:
         self._stub, self._target = stub, target
+        self._need = need  # the trainer's measured need of workers, reported with each sync
         self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch)
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
@@ -85,7 +87,8 @@ class Control:
         try:
             return call(self._stub.SyncConsumer,
                         dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks, next_seq=self.next_seq,
-                                                owners_digest=digest, wait_s=wait_s),
+                                                owners_digest=digest, wait_s=wait_s,
+                                                workers_needed=self._need()),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,
                         outage=self._outage,
                         stop=None if not cancellable else self._stop.is_set,
@@ -218,7 +221,8 @@ class EpochFetcher:
         self._meter = meter or StatsMeter()
         self._closed = False
         self._interrupted = False
-        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage)
+        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
+                                self._meter.recent_need)
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)

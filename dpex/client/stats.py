@@ -34,11 +34,26 @@ class LoaderStats:
     advice: str = ""
 
 
+NEED_WINDOW_S = 10.0  # the need reported to the dispatcher is measured over about this much time
+
+
+def _need(alive: int, elapsed: float, wait: float) -> int:
+    """Workers of the measured speed that keep a trainer that waited ``wait``
+    of ``elapsed`` seconds from waiting (the alive ones if it hardly waited).
+    Workers deliver batches / elapsed; the trainer could take batches / computing."""
+    computing = elapsed - wait  # the trainer's own time between batches
+    if not (elapsed > 0 and wait / elapsed > INPUT_BOUND_WAIT_FRACTION and computing > 0):
+        return alive
+    return math.ceil(alive * elapsed / computing - 1e-9)
+
+
 class StatsMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reset()
         self.workers_alive = 0
+        self._window = [0.0, 0.0]  # (elapsed, wait) since the need was last measured
+        self._recent = 0
 
     def _reset(self) -> None:
         self._batches = self._bytes = 0
@@ -54,8 +69,20 @@ class StatsMeter:
             self._last = (epoch, now)
             self._elapsed += now - since
             self._wait += now - asked_at
+            self._window[0] += now - since
+            self._window[1] += now - asked_at
             self._batches += 1
             self._bytes += nbytes
+
+    def recent_need(self) -> int:
+        """The trainer's need of workers over its last NEED_WINDOW_S of
+        batches (0 until that much was measured), for the dispatcher."""
+        with self._lock:
+            if self._window[0] >= NEED_WINDOW_S and self.workers_alive > 0:
+                alive = self.workers_alive
+                self._recent = min(_need(alive, *self._window), MAX_SCALE_STEP * alive)
+                self._window = [0.0, 0.0]
+            return self._recent
 
     def stats(self, reset: bool = False) -> LoaderStats:
         with self._lock:
@@ -63,10 +90,9 @@ class StatsMeter:
             computing = elapsed - wait  # the trainer's own time between batches
             fraction = wait / elapsed if elapsed > 0 else 0.0
             alive = self.workers_alive
-            # Workers deliver batches / elapsed; the trainer could take batches / computing.
             bound = fraction > INPUT_BOUND_WAIT_FRACTION
             cap = MAX_SCALE_STEP * max(1, alive)
-            needed = math.ceil(alive * elapsed / computing - 1e-9) if bound and computing > 0 else alive
+            needed = _need(alive, elapsed, wait)
             if not bound:
                 advice = f"not input-bound: the trainer waited {100 * fraction:.0f}% of the time"
             elif needed > cap:

@@ -26,7 +26,8 @@ def render(status) -> str:
     count = {s: sum(w.state == s for w in status.workers) for s in ("alive", "lost", "left")}
     lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
              f"taken back from lost workers {status.splits_reassigned_total}; collected: "
-             f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers", "",
+             f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers; "
+             f"workers needed by the trainers' rates: {status.workers_needed or '-'}", "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
              "PRODUCED", "SENT", "SENT BYTES", "HEARTBEAT")]

@@ -16,6 +16,7 @@ class Liveness:
         self._consumers: dict[tuple[int, int], float] = {}   # (job, consumer) -> last sync
         self._jobs: dict[int, float] = {}                    # job id -> last call about it
         self.loads: dict[str, dpb.WorkerLoad] = {}           # worker id -> its last reported load
+        self._needs: dict[tuple[int, int], tuple[int, float]] = {}  # (job, consumer) -> (workers needed, when)
 
     # ---- heard from ----------------------------------------------------------
     def worker(self, worker_id: str, load: dpb.WorkerLoad | None = None) -> None:
@@ -24,8 +25,16 @@ class Liveness:
         if load is not None:
             self.loads[worker_id] = load
 
-    def consumer(self, job_id: int, consumer: int) -> None:
-        self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
+    def consumer(self, job_id: int, consumer: int, workers_needed: int = 0) -> None:
+        now = self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
+        if workers_needed:
+            self._needs[(job_id, consumer)] = (workers_needed, now)
+
+    def workers_needed(self, job_id: int, max_age_s: float = 60.0) -> int:
+        """The most any consumer of the job reported needing in the last ``max_age_s``; 0: none."""
+        now = self.clock()
+        return max((n for (j, _), (n, when) in self._needs.items() if j == job_id and now - when <= max_age_s),
+                   default=0)
 
     def job(self, job_id: int) -> None:
         self._jobs[job_id] = self.clock()
@@ -38,6 +47,7 @@ class Liveness:
 
     def forget_consumer(self, job_id: int, consumer: int) -> None:
         self._consumers.pop((job_id, consumer), None)
+        self._needs.pop((job_id, consumer), None)
 
     def forget_worker(self, worker_id: str) -> None:
         for table in (self._workers, self._lost, self.loads):
@@ -52,8 +62,9 @@ class Liveness:
 
     def forget_job(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
-        for key in [k for k in self._consumers if k[0] == job_id]:
-            del self._consumers[key]
+        for table in (self._consumers, self._needs):
+            for key in [k for k in table if k[0] == job_id]:
+                del table[key]
 
     # ---- what has gone silent -----------------------------------------------------
     def since_heartbeat(self, worker_id: str) -> float:

@@ -332,7 +332,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 raise DpexNotFoundError(
                     f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                     f"epoch {request.epoch} (another trainer may have replaced it)")
-            self._seen.consumer(request.job_id, request.consumer_index)
+            self._seen.consumer(request.job_id, request.consumer_index, request.workers_needed)
             if request.delivered_seqs:
                 self._apply(mark_delivered=jpb.MarkDelivered(
                     job_id=request.job_id, consumer_index=request.consumer_index,
@@ -413,5 +413,9 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                   splits_assigned=assigned[job.job_id],
                                   consumers_active=sum(state.has_live_plan(job.job_id, c) for c in plans),
                                   epochs=[job.epochs[c] for c in sorted(job.epochs)],
-                                  state=state.job_state(job.job_id))
+                                  state=state.job_state(job.job_id),
+                                  workers_needed=self._seen.workers_needed(job.job_id))
+        alive = sum(w.state == "alive" for w in response.workers)
+        extra = [max(0, j.workers_needed - alive) for j in response.jobs if j.workers_needed]
+        response.workers_needed = alive + sum(extra) if extra else 0
         return response

@@ -1,6 +1,8 @@
 """What operators and trainers see: Prometheus metrics on both daemons,
 loader.stats(), and structured log lines."""
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -106,6 +108,30 @@ def test_loader_stats_tell_an_input_bound_trainer_from_a_compute_bound_one():
     assert fast.workers_alive == 1 and 0 < fast.batches_per_s < 40
     assert not slow.input_bound and slow.workers_needed == 1 and "not input-bound" in slow.advice
     assert slow.elapsed_s >= 19 * 0.1 and slow.wait_s < slow.elapsed_s / 2
+
+
+def test_dispatcher_exports_the_workers_the_trainers_need(monkeypatch):
+    """What a worker autoscaler (deploy/kubernetes: the HPA) follows: an
+    input-bound trainer's measured need reaches the dispatcher's metrics and
+    `dpex status`, and goes when the trainer leaves."""
+    import dpex.client.stats
+    monkeypatch.setattr(dpex.client.stats, "NEED_WINDOW_S", 0.5)
+    with test_cluster(num_workers=1, metrics=True) as c:
+        url = c.dispatcher.metrics_url
+        assert total(scrape(url), "dpex_workers_needed") == 0  # nobody training: nothing to scale for
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=2000, delay_s=0.01)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=60) as dl:
+            for _ in dl:  # no work between batches: input-bound, 4x a step
+                if total(scrape(url), "dpex_workers_needed") == 4:
+                    assert total(scrape(url), "dpex_job_workers_needed", job_id=str(dl.job_id)) == 4
+                    shown = subprocess.run([sys.executable, "-m", "dpex.cmd.status", "status", "--dispatcher",
+                                            c.address, "--json"], capture_output=True, text=True, timeout=60)
+                    status = json.loads(shown.stdout)
+                    assert status["workersNeeded"] == 4 and status["jobs"][0]["workersNeeded"] == 4
+                    break
+            else:
+                raise AssertionError("the dispatcher never exported the trainer's need")
+        wait_until(lambda: total(scrape(url), "dpex_workers_needed") == 0, 30, "the need to go with the trainer")
 
 
 def test_json_logs_carry_worker_and_job_ids():
