@@ -223,18 +223,22 @@ class BrokenStream(Counting):
 
 
 class NodeFiles(Dataset):
-    """Reads sample i from ``$DPEX_NODE_DATA/i.txt``: each node has its own copy,
-    and the file names the node it lives on, so a sample says who read it."""
+    """Reads sample i from ``ROOT/i.txt`` (default ``$DPEX_NODE_DATA``, expanded
+    on the worker): each node has its own copy, and the file names the node it
+    lives on, so a sample says who read it."""
 
-    def __init__(self, n: int = 200, delay_s: float = 0.0) -> None:
-        self.n, self.delay_s = n, delay_s
+    def __init__(self, n: int = 200, delay_s: float = 0.0, root: str = "$DPEX_NODE_DATA") -> None:
+        self.n, self.delay_s, self.root = n, delay_s, root
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
         import time
-        with open(os.path.join(os.environ["DPEX_NODE_DATA"], f"{i}.txt")) as f:
+        root = os.path.expandvars(self.root)
+        if "$" in root:
+            raise KeyError(f"{self.root} names an environment variable this worker does not have")
+        with open(os.path.join(root, f"{i}.txt")) as f:
             node, index = f.read().split(":")
         time.sleep(self.delay_s)
         return {"i": int(index), "node": node}

@@ -36,7 +36,10 @@ def _ip(*args: str, ns: str | None = None) -> None:
 
 
 class NetnsCluster:
-    def __init__(self, workers: int = 3, samples: int = 200, heartbeat_timeout_s: float = 1.5) -> None:
+    def __init__(self, workers: int = 3, samples: int = 200, heartbeat_timeout_s: float = 1.5,
+                 dispatcher: bool = True) -> None:
+        """A hub and the hosts; with ``dispatcher`` (and ``workers``), the
+        daemons on theirs; without, only the trainer's host."""
         self.tag = f"dx{os.getpid() % 100000}"
         self.token = secrets.token_hex(16)  # the hosts talk across a network: authenticated
         self.dir = tempfile.mkdtemp(prefix="dpex-netns-")
@@ -51,6 +54,8 @@ class NetnsCluster:
             _ip("link", "set", "br0", "up", ns=f"{self.tag}-hub")
             self.add_node("dispatcher", host=1)
             self.add_node("trainer", host=100)
+            if not dispatcher:
+                return
             self.start_dispatcher()
             for _ in range(workers):
                 self.add_worker()

@@ -39,7 +39,13 @@ class DispatcherAgent:
         self._thread = threading.Thread(target=self._run, name="dpex-agent")
 
     def start(self) -> None:
-        self._register()  # fail fast at start: a wrong --dispatcher is an error, not a hang
+        try:
+            self._register()  # fail fast at start: a wrong --dispatcher is an error, not a hang
+        except DpexConnectionError as e:
+            raise DpexConnectionError(
+                f"{e}. Check that the dispatcher runs and that --dispatcher / DPEX_DISPATCHER reaches it from "
+                "this host (in Kubernetes: the dispatcher Service's name, in this pod's namespace or as "
+                "NAME.NAMESPACE, and its port); give it longer with --connect-timeout") from None
         self._thread.start()
 
     def job_path(self, job_id: int) -> str:

@@ -1,49 +1,14 @@
 """TLS on every port, with a CA and a server certificate the test makes."""
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 import dpex
+from dpex.testing.pki import write_pki
 
 BIN = os.path.dirname(sys.executable)
 TOKEN = "tls-and-token"
-
-
-def _cert(subject, issuer, key, issuer_key, ca, sans=()):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def write_pki(root):
-    """A CA, and a certificate for 127.0.0.1 / localhost signed by it."""
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("dpex test CA", "dpex test CA", ca_key, ca_key, True)
-    cert = _cert("localhost", "dpex test CA", key, ca_key, False,
-                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    files = {"ca.pem": ca.public_bytes(serialization.Encoding.PEM),
-             "cert.pem": cert.public_bytes(serialization.Encoding.PEM),
-             "key.pem": key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption())}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    other_ca = _cert("another CA", "another CA", ca_key := ec.generate_private_key(ec.SECP256R1()), ca_key, True)
-    (root / "other-ca.pem").write_bytes(other_ca.public_bytes(serialization.Encoding.PEM))
-    return str(root / "cert.pem"), str(root / "key.pem"), str(root / "ca.pem")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,152 @@
+"""deploy/kubernetes must not drift from the code. No Kubernetes cluster can
+run here, so this proves what it can without one: the kustomize base and
+overlays render, every object is valid against the Kubernetes schema, the
+CLIs take every flag and DPEX_* variable the manifests give them, and the
+rendered containers' commands, args and env, run as pods on hosts of their
+own (dpex.testing.kube), pass their readiness and liveness probes, serve
+the metrics their scrape annotations point to, stream an epoch exactly once
+to a trainer that reaches them through the Service name, and drain on
+SIGTERM within the grace period. It does not prove scheduling, volumes,
+the HPA's metrics adapter or DNS as a cluster would do them."""
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+
+import click
+import pytest
+
+from dpex.auth import TOKEN_ENV
+from dpex.testing import kube, netns, wait_until
+from dpex.testing.nodes import write_node_data
+from dpex.testing.pki import write_pki
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
+VARIANTS = ["base", "overlays/daemonset", "overlays/tls", "overlays/autoscale"]
+SAMPLES = 120
+
+needs_kubectl = pytest.mark.skipif(not __import__("shutil").which("kubectl"), reason="needs kubectl")
+
+
+def rendered(variant: str) -> list[dict]:
+    return kube.render(os.path.join(DEPLOY, variant))
+
+
+def workers_of(objects):
+    return next(o for o in objects if o["kind"] in ("Deployment", "DaemonSet"))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manifests_render_validate_and_match_the_clis(variant, monkeypatch):
+    from dpex.cmd.dispatcher import main as dispatcher_cli
+    from dpex.cmd.worker import main as worker_cli
+    objects = rendered(variant)
+    kube.validate(objects)  # strict: an unknown field fails too
+    dispatcher = kube.find(objects, "StatefulSet", "dpex-dispatcher")
+    assert dispatcher["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "journal"
+    assert kube.find(objects, "Service", "dpex-dispatcher")["spec"]["ports"][0]["port"] == 7070
+    for workload, cli in ((dispatcher, dispatcher_cli), (workers_of(objects), worker_cli)):
+        spec = kube.pod_spec(workload)
+        (container,) = spec["containers"]
+        assert container["image"] == "dpex:latest"
+        assert {"readinessProbe", "livenessProbe"} <= set(container) and container["resources"]["requests"]
+        envvars = {p.envvar for p in cli.params if p.envvar} | {TOKEN_ENV}  # the token: read by dpex.auth
+        names = {v["name"] for v in container["env"] if v["name"].startswith("DPEX_")}
+        assert names <= envvars, f"variables no CLI option reads: {names - envvars}"
+        env = kube.container_env(container, "10.0.0.1", {"dpex-auth": {"token": "t"}}, {})
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cli.make_context(cli.name, list(container["args"]))  # every flag and variable exists and parses
+        metrics = container["args"][container["args"].index("--metrics-port") + 1]
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == metrics
+        drain = float(next((v["value"] for v in container["env"] if v["name"] == "DPEX_DRAIN_TIMEOUT"), 2))
+        assert spec["terminationGracePeriodSeconds"] > drain + 5  # the drain, then the batch processes' end
+    if variant == "overlays/autoscale":
+        hpa = kube.find(objects, "HorizontalPodAutoscaler")
+        assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "dpex_workers_needed"
+    if variant == "overlays/daemonset":
+        assert not [o for o in objects if o["kind"] == "Deployment"]
+        base_pod = kube.pod_spec(workers_of(rendered("base")))
+        ds_pod = dict(kube.pod_spec(workers_of(objects)))
+        assert ds_pod.pop("nodeSelector") == {"dpex.io/data": "true"} and ds_pod == base_pod
+
+
+TRAINER = textwrap.dedent("""
+    import json, sys
+    import dpex
+    spec = dpex.DatasetSpec("dpex.testing.datasets:NodeFiles", {samples}, 0.002, root="$DPEX_DATA_PATH")
+    with dpex.RemoteDataLoader("dpex-dispatcher:7070", spec, batch_size=4, timeout=120) as dl:
+        got = list(dl)
+    batches = [[int(i) for i in b["i"]] for b in got]
+    nodes = sorted({{n for b in got for n in b["node"]}})
+    print("RESULT " + json.dumps({{"batches": batches, "nodes": nodes}}))
+""")
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root and ip netns")
+@needs_kubectl
+@pytest.mark.parametrize("variant", ["base", "overlays/daemonset", "overlays/tls"])
+def test_rendered_pods_probe_stream_an_epoch_and_drain(variant, tmp_path):
+    objects = rendered(variant)
+    dispatcher_set = kube.find(objects, "StatefulSet", "dpex-dispatcher")
+    workers = workers_of(objects)
+    token = secrets.token_hex(16)
+    data = {name: str(tmp_path / name) for name in ("worker1", "worker2")}
+    for name, path in data.items():
+        write_node_data(path, name, SAMPLES)
+    mounts = {"/var/lib/dpex": str(tmp_path / "journal")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPEX_")}
+    env["DPEX_AUTH_TOKEN"] = token
+    if variant == "overlays/tls":  # one certificate, as the overlay's comment asks: the Service and the pods
+        tls = tmp_path / "tls"
+        tls.mkdir()
+        cert, key, ca = write_pki(tls, ["dpex-dispatcher", f"*.{kube.NAMESPACE}.pod.cluster.local"], [])
+        for name, path in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca)):
+            os.link(path, tls / name)
+        mounts["/etc/dpex/tls"] = str(tls)
+        env["DPEX_TLS_CA"] = ca
+    with kube.Pods({"dpex-auth": {"token": token}}, mounts) as pods:
+        pods.add_service("dpex-dispatcher", pods.net.nodes["dispatcher"])
+        # A worker that starts before the dispatcher says whom it cannot reach, and keeps trying.
+        first = pods.start("worker1", workers, {"/data": data["worker1"]})
+        wait_until(lambda: "cannot reach dispatcher dpex-dispatcher:7070" in first.log(), 60, "worker1's warning")
+        dispatcher = pods.start("dispatcher", dispatcher_set)
+        second = pods.start("worker2", workers, {"/data": data["worker2"]})
+        for pod in (dispatcher, first, second):
+            for kind in ("readinessProbe", "livenessProbe"):
+                wait_until(lambda: pods.probe(pod, pod.container[kind], "trainer") or pod.process.poll() is not None,
+                           120, f"{pod.name}'s {kind}")
+                assert pod.process.poll() is None, pod.log()[-3000:]
+            port = pod.container["args"][pod.container["args"].index("--metrics-port") + 1]
+            scrape = {"httpGet": {"port": int(port), "path": "/metrics"}}
+            assert pods.probe(pod, scrape, "trainer"), f"no metrics where {pod.name}'s annotations point"
+        trainer = subprocess.run(["ip", "netns", "exec", pods.net.ns("trainer"), sys.executable, "-c",
+                                  TRAINER.format(samples=SAMPLES)], env=env, capture_output=True, text=True,
+                                 timeout=300)
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        result = json.loads(trainer.stdout.split("RESULT ", 1)[1])
+        assert [i for b in result["batches"] for i in b] == list(range(SAMPLES))  # exactly once, in order
+        assert result["nodes"] == ["worker1", "worker2"]  # each read from its own node's copy
+        # SIGTERM drains within the grace period, and the worker leaves cleanly.
+        took = pods.terminate(second)
+        assert second.process.returncode == 0 and took < second.grace_s, second.log()[-2000:]
+        assert '"msg": "shutting down"' in second.log()
+        # A pod on a node without the data refuses to start, naming the path.
+        bare = pods.start("worker3", workers, {"/data": str(tmp_path / "nothing-here")})
+        assert bare.process.wait(60) != 0 and "nothing-here" in bare.log() and "copy the data" in bare.log()
+
+
+def test_cli_option_envvars_are_what_the_manifests_may_use():
+    """The manifests configure the daemons through DPEX_* variables: every
+    option of both CLIs has one (so a manifest can set any of them)."""
+    from dpex.cmd.dispatcher import main as dispatcher_cli
+    from dpex.cmd.worker import main as worker_cli
+    for cli in (dispatcher_cli, worker_cli):
+        missing = [p.name for p in cli.params if isinstance(p, click.Option) and not p.envvar
+                   and not p.hidden and p.name != "help"]
+        assert not missing, f"{cli.name}: options without a DPEX_ variable: {missing}"
