@@ -11,6 +11,7 @@ RAY_TMPDIR, not /tmp/ray, so a developer's own Ray node is left alone."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,12 @@ def daemons_started_by_ray() -> list[str]:
     return found
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def node_data(root: str, name: str) -> str:
     path = os.path.join(root, name)
     os.makedirs(path)
@@ -59,8 +66,11 @@ def node_data(root: str, name: str) -> str:
 def cluster(tmp_path_factory):
     data = str(tmp_path_factory.mktemp("nodes"))
     base = dict(num_cpus=1, include_dashboard=False)
+    client_port = free_port()
     c = Cluster(initialize_head=True,
-                head_node_args=dict(base, env_vars={"DPEX_NODE_DATA": node_data(data, "node0")}))
+                head_node_args=dict(base, ray_client_server_port=client_port,
+                                    env_vars={"DPEX_NODE_DATA": node_data(data, "node0")}))
+    c.client_address = f"ray://127.0.0.1:{client_port}"
     try:
         c.nodes_by_name = {"node0": c.head_node}
         for name in ("node1", "node2"):
@@ -104,6 +114,7 @@ def test_train_digits_example_with_auto_equals_torch(cluster, tmp_path):
     """The seed's example, unchanged: head_address="auto" lands on the Ray
     cluster, every node's worker produces batches, and the run (batches and
     losses) is the one torch's DataLoader gives."""
+    before = dpex.ray.status(cluster.address)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPEX_")}
     runs = {}
     for name, flags in (("torch", []), ("dpex", ["--distribute"])):
@@ -115,8 +126,24 @@ def test_train_digits_example_with_auto_equals_torch(cluster, tmp_path):
     assert "loading on the Ray cluster" in proc.stderr  # it says where it went
     assert runs["dpex"]["seen"] == runs["torch"]["seen"]
     assert runs["dpex"]["losses"] == runs["torch"]["losses"]
-    produced = worker_batches(dpex.ray.status(cluster.address))
+    after = dpex.ray.status(cluster.address)
+    assert after == before  # another trainer found the same actors by name
+    produced = worker_batches(after)
     assert len(produced) == 3 and all(n > 0 for n in produced.values()), produced
+
+
+def test_every_form_of_head_address(cluster, monkeypatch):
+    """A bare Ray head address and a Ray Client address reach the same Dpex;
+    a dispatcher address (dpex:// or bare) is used as it is."""
+    endpoint = dpex.ray.status(cluster.address)
+    spec = DatasetSpec("dpex.testing.datasets:NodeFiles", 24)
+    for head in (cluster.address, cluster.client_address):
+        with DpexDataLoader(spec, distribute_mode=True, head_address=head, batch_size=4) as dl:
+            assert dl.head_address == endpoint.address and len(list(dl)) == 6
+    monkeypatch.setenv("DPEX_AUTH_TOKEN", endpoint.auth_token)
+    for head in ("dpex://" + endpoint.address, endpoint.address):
+        with DpexDataLoader(spec, distribute_mode=True, head_address=head, batch_size=4) as dl:
+            assert dl.head_address == endpoint.address and len(list(dl)) == 6
 
 
 def worker_batches(endpoint) -> dict[str, int]:
@@ -134,9 +161,10 @@ def test_nodes_without_the_data_path_get_no_worker(cluster):
     for name in ("node0", "node2"):
         open(os.path.join(cluster.data, name, "READY"), "w").close()
     try:
-        config = dpex.ray.RayConfig(data_paths=("$DPEX_NODE_DATA/READY",))
+        journal = os.path.join(cluster.data, "journal")
+        config = dpex.ray.RayConfig(data_paths=("$DPEX_NODE_DATA/READY",), work_dir=journal)
         endpoint = dpex.ray.start(cluster.address, config, wait_s=60)
-        assert len(endpoint.workers) == 2
+        assert len(endpoint.workers) == 2 and os.listdir(journal)  # the dispatcher journals there
         with DpexDataLoader(DatasetSpec("dpex.testing.datasets:NodeFiles", 40), distribute_mode=True,
                             batch_size=4) as dl:
             assert {n for b in dl for n in b["node"]} <= {"node0", "node2"}
@@ -152,9 +180,13 @@ def test_nodes_without_the_data_path_get_no_worker(cluster):
     dpex.ray.start(cluster.address)  # as the other tests expect it
 
 
-def test_bad_ray_addresses_fail_clearly():
+def test_bad_ray_addresses_fail_clearly(monkeypatch):
     with pytest.raises(DpexConnectionError, match="nothing answers at the Ray address ray://127.0.0.1:1"):
         DpexDataLoader(list(range(8)), distribute_mode=True, head_address="ray://127.0.0.1:1")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # "auto" takes it, and says it does not answer
+    with pytest.raises(DpexConnectionError, match="nothing answers at the Ray address 127.0.0.1:1"):
+        DpexDataLoader(list(range(8)), distribute_mode=True)
+    monkeypatch.delenv("RAY_ADDRESS")
     # Without Ray installed, in a process of its own: import dpex works, a Ray address is refused.
     code = ("import sys; sys.modules['ray'] = None\n"
             "import dpex\n"
