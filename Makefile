@@ -51,6 +51,7 @@ bench: setup
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/first_batch.py
 	$(PY) benchmarks/compression.py
+	$(PY) benchmarks/launch.py
 
 clean:
 	rm -rf $(VENV) dpex/proto/*_pb2*.py dpex/proto/*_pb2*.pyi .data

@@ -7,9 +7,10 @@ cluster, or an embedded local cluster, told apart before anything starts.
 - ``"ray://HOST:PORT"``: a Ray cluster through Ray Client.
 - ``"dpex://HOST:PORT"``: a Dpex dispatcher.
 - ``"HOST:PORT"``: asked with the gRPC health check: a Dpex dispatcher
-  answers for its service; any other gRPC server there (a Ray head's GCS)
-  is taken for a Ray cluster; nothing answering is taken for a dispatcher
-  not up yet (the loader waits ``connect_timeout`` for it, as before).
+  answers for its service (a Dpex worker's address is refused, naming the
+  mistake); any other gRPC server there (a Ray head's GCS) is taken for a
+  Ray cluster; nothing answering is taken for a dispatcher not up yet (the
+  loader waits ``connect_timeout`` for it, as before).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import importlib.util
 import logging
 import os
 import socket
-import tempfile
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +30,7 @@ log = logging.getLogger("dpex.launch")
 DISPATCHER_ENV = "DPEX_DISPATCHER"
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 DISPATCHER_SERVICE = "dpex.v1.Dispatcher"
+WORKER_SERVICE = "dpex.v1.Worker"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def local_ray_address() -> str | None:
     """The GCS address of a Ray node running on this machine: the one
     ``ray start`` (or ray.cluster_utils) wrote to Ray's address file, if a
     server accepts connections there."""
-    root = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    root = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"  # where Ray keeps it
     try:
         with open(os.path.join(root, "ray", "ray_current_cluster")) as f:
             address = f.read().strip()
@@ -81,21 +82,22 @@ def local_ray_address() -> str | None:
     return address
 
 
-def is_dispatcher(address: str, token: str | None, tls_ca: bytes | None,
-                  timeout_s: float = 3.0) -> bool | None:
-    """True: a Dpex dispatcher answers at ``address``; False: another gRPC
-    server answers (no Dpex dispatcher service there); None: nothing answers."""
+def what_answers(address: str, token: str | None, tls_ca: bytes | None, timeout_s: float = 3.0) -> str | None:
+    """"dispatcher" or "worker" (a Dpex daemon answers the health check for
+    its service at ``address``), "other" (a gRPC server without either), or
+    None (nothing answers)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     ch = channel(address, token, tls_ca)
     try:
-        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=DISPATCHER_SERVICE),
-                                             timeout=timeout_s)
-        return True
-    except grpc.RpcError as e:
-        code = e.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return None
-        return False  # UNIMPLEMENTED, NOT_FOUND: a gRPC server without the dispatcher's service
+        stub = health_pb2_grpc.HealthStub(ch)
+        for kind, service in (("dispatcher", DISPATCHER_SERVICE), ("worker", WORKER_SERVICE)):
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                return kind
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return None
+        return "other"  # UNIMPLEMENTED, NOT_FOUND: a gRPC server without a Dpex service
     finally:
         ch.close()
 
@@ -113,8 +115,11 @@ def choose(head_address: str | None, token: str | None = None, tls_ca: bytes | N
         head = Head("dispatcher", check_address(head_address), "given")
     else:
         address = check_address(head_address)
-        answer = is_dispatcher(address, token, tls_ca)
-        head = Head("ray", address, "given; it answers gRPC but is not a Dpex dispatcher") if answer is False \
+        answer = what_answers(address, token, tls_ca)
+        if answer == "worker":
+            raise DpexConfigError(f"{address} is a Dpex worker, not the dispatcher: give the dispatcher's "
+                                  "address (the --dispatcher its workers were started with)")
+        head = Head("ray", address, "given; it answers gRPC but is not a Dpex dispatcher") if answer == "other" \
             else Head("dispatcher", address, "given")
     if head.kind == "ray" and not ray_installed():
         raise DpexConfigError(

@@ -61,6 +61,9 @@ def test_status_of_an_unreachable_dispatcher():
 def test_worker_with_a_wrong_dispatcher_exits_with_a_clear_error():
     out = run("dpex-worker", "--dispatcher", "127.0.0.1:1", "--connect-timeout", "0.5", "--processes", "1")
     assert out.returncode == 1 and "cannot reach dispatcher 127.0.0.1:1" in out.stderr
+    assert "Check that the dispatcher runs" in out.stderr and "--connect-timeout" in out.stderr  # the fix
+    out = run("dpex-worker", "--dispatcher", "127.0.0.1:1", "--data-path", "/nonexistent/dpex")
+    assert out.returncode == 1 and "has no /nonexistent/dpex: copy the data there" in out.stderr
     out = run("dpex-worker", env={"DPEX_DISPATCHER": "no-port"})
     assert out.returncode == 1 and "HOST:PORT" in out.stderr
 
