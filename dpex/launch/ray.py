@@ -98,18 +98,21 @@ class _Process:
                 started.set()
             code = spawned[0].wait()
             if not self.stopping.is_set():  # the daemon died: so does the actor, and Ray sees it
-                sys.stderr.write(f"dpex: {name} exited with code {code}:\n{self.daemon.log_tail()}\n")
+                tail = Daemon(name, spawned[0], "", log_path).log_tail()
+                sys.stderr.write(f"dpex: {name} exited with code {code}:\n{tail}\n")
                 sys.stderr.flush()
                 os._exit(1)
 
-        self.daemon = Daemon(name, None, "", log_path)  # type: ignore[arg-type]
+        self.stopping.set()  # a failed start is reported by await_ready, not by exiting
         threading.Thread(target=run, name=f"dpex-{name}").start()
         started.wait()
         if not spawned:
             raise DpexError(f"could not start {name}")
-        self.stopping.set()  # a failed start is reported by await_ready, not by exiting
         self.daemon = await_ready(name, spawned[0], ready, log_path, timeout_s)
         self.stopping.clear()
+        if spawned[0].poll() is not None:  # it died while we looked away: a failed start all the same
+            raise DpexError(f"{name} exited with code {spawned[0].returncode} just after starting:\n"
+                            f"{self.daemon.log_tail()}")
 
     def stop(self) -> None:
         self.stopping.set()
