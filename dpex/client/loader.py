@@ -458,7 +458,8 @@ class RemoteDataLoader:
             return None, token
         head = choose(address, token, ca)
         if head.kind == "dispatcher":
-            announce("loading on the Dpex dispatcher at %s (%s)", head.address, head.why)
+            if address == "auto":  # a choice made for the user is said; a dispatcher they named is not
+                announce("loading on the Dpex dispatcher at %s (%s)", head.address, head.why)
             return head.address, token
         if head.kind == "embedded":
             announce("loading on an embedded local cluster (head_address=%r: %s)", address, head.why)
