@@ -84,7 +84,8 @@ class DpexDataLoader:
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self._remote = RemoteDataLoader(
-            "auto" if head_address is None else head_address, dataset, batch_size=batch_size, shuffle=bool(shuffle), drop_last=drop_last,
+            "auto" if head_address is None else head_address, dataset, batch_size=batch_size,
+            shuffle=bool(shuffle), drop_last=drop_last,
             sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn, ordered=in_order,
             timeout=timeout or None, generator=generator,
             window=self.prefetch_factor * max(1, num_workers), worker_init_fn=worker_init_fn,

@@ -124,8 +124,10 @@ class _Resources:
 class RemoteDataLoader:
     """Batches produced by Dpex workers, equal to what torch's DataLoader yields.
 
-    ``address`` is the dispatcher's HOST:PORT; None starts an embedded local
-    cluster (``processes`` worker processes) that lives as long as the loader.
+    ``address`` is the dispatcher's HOST:PORT (or ``dpex://HOST:PORT``); None
+    starts an embedded local cluster (``processes`` worker processes) that
+    lives as long as the loader; ``"auto"`` and Ray addresses are resolved as
+    ``DpexDataLoader``'s ``head_address`` (``dpex.launch.head``).
     ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
     files) or a dataset instance (shipped to the workers by value).
     ``num_consumers``/``consumer_index`` default to the world size and rank
