@@ -1,5 +1,7 @@
-"""dpex: operator commands (``dpex status``)."""
+"""dpex: operator commands (``dpex status``, ``dpex ray start|status|stop``)."""
 from __future__ import annotations
+
+from typing import Any
 
 import click
 
@@ -89,6 +91,65 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
         click.echo(MessageToJson(response, always_print_fields_with_no_presence=True))
     else:
         click.echo(render(response))
+
+
+@main.group()
+def ray() -> None:
+    """Dpex on a Ray cluster (pip install 'dpex[ray]'): a dispatcher and one
+    worker per node, as Ray actors."""
+
+
+def _ray(function: str, *args: Any, **kwargs: Any) -> Any:
+    """dpex.ray.FUNCTION(...), its errors as the command's."""
+    try:
+        import dpex.ray
+    except ImportError:
+        fail("Ray is not installed here: pip install 'dpex[ray]'")
+    try:
+        return getattr(dpex.ray, function)(*args, **kwargs)
+    except DpexError as e:
+        fail(str(e))
+
+
+RAY_ADDRESS = click.option("--address", default="auto", envvar="RAY_ADDRESS", show_envvar=True, show_default=True,
+                           help="The Ray cluster (ray://HOST:10001, HOST:6379, or auto: this machine's).")
+
+
+def _print_endpoint(endpoint) -> None:
+    click.echo(f"dispatcher {endpoint.address}; {len(endpoint.workers)} workers")
+    for node, address in sorted(endpoint.workers.items()):
+        click.echo(f"  node {node[:12]}  worker {address}")
+
+
+@ray.command("start")
+@RAY_ADDRESS
+@click.option("--work-dir", default=None, help="The dispatcher's journal directory on the head node.")
+@click.option("--data-path", "data_paths", multiple=True, help="A node without it gets no worker (repeatable).")
+@click.option("--worker-cpus", type=float, default=None, help="Ray CPUs per worker [default: all of its node's].")
+@click.option("--wait", type=float, default=120.0, show_default=True, help="Seconds to wait for the workers.")
+def ray_start(address: str, work_dir: str | None, data_paths: tuple[str, ...], worker_cpus: float | None,
+              wait: float) -> None:
+    """Start Dpex on the Ray cluster (or find it there) and say where it serves."""
+    config = _ray("RayConfig", work_dir=work_dir, data_paths=data_paths, worker_cpus=worker_cpus)
+    _print_endpoint(_ray("start", address, config, wait_s=wait))
+
+
+@ray.command("status")
+@RAY_ADDRESS
+def ray_status(address: str) -> None:
+    """Where Dpex serves on the Ray cluster (exit 1 if it does not run there)."""
+    endpoint = _ray("status", address)
+    if endpoint is None:
+        fail(f"Dpex does not run on the Ray cluster at {address}: dpex ray start")
+    _print_endpoint(endpoint)
+
+
+@ray.command("stop")
+@RAY_ADDRESS
+def ray_stop(address: str) -> None:
+    """Stop Dpex's workers (they drain) and dispatcher on the Ray cluster."""
+    stopped = _ray("stop", address)
+    click.echo("stopped" if stopped else f"Dpex was not running on the Ray cluster at {address}")
 
 
 if __name__ == "__main__":

@@ -157,7 +157,9 @@ def worker_batches(endpoint) -> dict[str, int]:
 def test_nodes_without_the_data_path_get_no_worker(cluster):
     """A node that lacks the data is named, and the others serve; with no
     node able to serve, start() fails and leaves nothing running."""
-    dpex.ray.stop(cluster.address)
+    dpex.ray.start(cluster.address)  # found running (or started, when this test runs alone)
+    assert dpex_cli("ray", "stop", "--address", cluster.address).stdout.strip() == "stopped"
+    assert dpex_cli("ray", "status", "--address", cluster.address).returncode == 1
     for name in ("node0", "node2"):
         open(os.path.join(cluster.data, name, "READY"), "w").close()
     try:
@@ -177,7 +179,14 @@ def test_nodes_without_the_data_path_get_no_worker(cluster):
     finally:
         for name in ("node0", "node2"):
             os.remove(os.path.join(cluster.data, name, "READY"))
-    dpex.ray.start(cluster.address)  # as the other tests expect it
+    started = dpex_cli("ray", "start", "--address", cluster.address)  # as the other tests expect it
+    assert started.returncode == 0 and "3 workers" in started.stdout, started.stderr[-2000:]
+    assert dpex_cli("ray", "status", "--address", cluster.address).stdout == started.stdout
+
+
+def dpex_cli(*args):
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "dpex"), *args], capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_bad_ray_addresses_fail_clearly(monkeypatch):
