@@ -18,7 +18,8 @@ import tempfile
 
 import pytest
 
-RAY_DIR = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths live under it
+# Short (Ray's socket paths live under it), and made by Ray only if a test here runs.
+RAY_DIR = os.path.join(tempfile.gettempdir(), f"ray-dpex-{os.getpid()}")
 os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=RAY_DIR)
 
 ray = pytest.importorskip("ray")
