@@ -29,7 +29,7 @@ from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec, describe_dataset
-from dpex.launch.head import announce, choose
+from dpex.launch.head import resolve
 from dpex.plan import samplers
 from dpex.plan.spec import chunks
 from dpex.errors import (JOB_COLLECTED, DpexConfigError, DpexConnectionError, DpexError, DpexNotFoundError,
@@ -220,7 +220,7 @@ class RemoteDataLoader:
                 stacklevel=2)
         self.job_name = job.name or None
         self._named_job = bool(job_name)
-        address, token = self._head(opts.address, auth_token, token, ca)
+        address, token = resolve(opts.address, token, ca, given_token=auth_token)
         self._token = token
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -449,28 +449,6 @@ class RemoteDataLoader:
                     raise
                 log.warning("%s", e)
         raise AssertionError("unreachable")
-
-    @staticmethod
-    def _head(address: str | None, given_token: str | None, token: str | None,
-              ca: bytes | None) -> tuple[str | None, str | None]:
-        """(the dispatcher's HOST:PORT or None for an embedded cluster, the
-        token to send) for what ``address`` names; Dpex is started on a Ray
-        cluster if it names one (the cluster's token, unless one was given)."""
-        if address is None:
-            return None, token
-        head = choose(address, token, ca)
-        if head.kind == "dispatcher":
-            if address == "auto":  # a choice made for the user is said; a dispatcher they named is not
-                announce("loading on the Dpex dispatcher at %s (%s)", head.address, head.why)
-            return head.address, token
-        if head.kind == "embedded":
-            announce("loading on an embedded local cluster (head_address=%r: %s)", address, head.why)
-            return None, token
-        from dpex.launch.ray import start
-        endpoint = start(head.address)
-        announce("loading on the Ray cluster at %s (%s): Dpex dispatcher %s, workers on %d nodes",
-                 head.address, head.why, endpoint.address, len(endpoint.workers))
-        return endpoint.address, given_token or endpoint.auth_token
 
     def _create_job(self) -> None:
         """Gets or creates the job (again, if the dispatcher collected it)."""

@@ -72,14 +72,19 @@ def local_ray_address() -> str | None:
             address = f.read().strip()
     except OSError:
         return None
+    return address if answers_tcp(address, 1.0) else None  # a node that has stopped leaves its file behind
+
+
+def answers_tcp(address: str, timeout_s: float) -> bool:
+    """Something accepts TCP connections at HOST:PORT."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        return None
+        return False
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
     except OSError:
-        return None  # a node that has stopped leaves its file behind
-    return address
+        return False
 
 
 def what_answers(address: str, token: str | None, tls_ca: bytes | None, timeout_s: float = 3.0) -> str | None:
@@ -140,3 +145,26 @@ def _auto() -> Head:
         log.warning("a Ray node runs on this machine (%s), but Ray is not installed in this environment: "
                     "loading on an embedded local cluster instead (pip install 'dpex[ray]' to use Ray)", local)
     return Head("embedded", None, f"no ${DISPATCHER_ENV}, no Ray cluster")
+
+
+def resolve(address: str | None, token: str | None, tls_ca: bytes | None,
+            given_token: str | None = None) -> tuple[str | None, str | None]:
+    """(the dispatcher's HOST:PORT, or None for an embedded cluster; the
+    token to send) for what a loader's ``address`` names. On a Ray cluster
+    Dpex is found or started there, and its token is sent unless the loader
+    was ``given_token``."""
+    if address is None:
+        return None, token
+    head = choose(address, token, tls_ca)
+    if head.kind == "dispatcher":
+        if address == "auto":  # a choice made for the user is said; a dispatcher they named is not
+            announce("loading on the Dpex dispatcher at %s (%s)", head.address, head.why)
+        return head.address, token
+    if head.kind == "embedded":
+        announce("loading on an embedded local cluster (head_address=%r: %s)", address, head.why)
+        return None, token
+    from dpex.launch.ray import start
+    endpoint = start(head.address)
+    announce("loading on the Ray cluster at %s (%s): Dpex dispatcher %s, workers on %d nodes",
+             head.address, head.why, endpoint.address, len(endpoint.workers))
+    return endpoint.address, given_token or endpoint.auth_token

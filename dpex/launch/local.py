@@ -52,6 +52,13 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
             process.wait()
 
 
+def spawn(args: list[str], ready: str, log_path: str, env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """Starts ``python -m ARGS --ready-file READY``, its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
+
+
 def await_ready(name: str, process: subprocess.Popen, ready: str, log_path: str,
                 timeout_s: float) -> Daemon:
     """Waits for a daemon started with ``--ready-file ready`` to serve; a
@@ -136,11 +143,7 @@ class LocalCluster:
             self._count += 1
             stem = os.path.join(self.log_dir, f"{name}-{self._count}")
         ready, log_path = stem + ".ready", stem + ".log"
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready],
-                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**self._env, **(env or {})})
-        return process, ready, log_path
+        return spawn(args, ready, log_path, {**self._env, **(env or {})}), ready, log_path
 
     def _start(self, name: str, args: list[str]) -> Daemon:
         return await_ready(name, *self._spawn(name, args), self._start_timeout_s)

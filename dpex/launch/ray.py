@@ -16,8 +16,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dpex.auth import TOKEN_ENV
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError
-from dpex.launch.local import Daemon, await_ready, stop_process
+from dpex.launch.head import answers_tcp
+from dpex.launch.local import Daemon, await_ready, spawn, stop_process
 from dpex.procutil import PARENT_ENV, temp_dir
 
 log = logging.getLogger("dpex.ray")
@@ -88,12 +87,8 @@ class _Process:
 
         def run() -> None:
             try:
-                with open(log_path, "ab") as out:
-                    spawned.append(subprocess.Popen(
-                        [sys.executable, "-m", *args, "--ready-file", ready], stdin=subprocess.DEVNULL,
-                        start_new_session=True,  # out of the reach of Ray killing its worker's process group
-                        stdout=out, stderr=subprocess.STDOUT,
-                        env={**os.environ, **env, PARENT_ENV: str(os.getpid())}))
+                spawned.append(spawn(args, ready, log_path, {**os.environ, **env, PARENT_ENV: str(os.getpid())},
+                                     start_new_session=True))  # out of reach of Ray killing its worker's group
             finally:
                 started.set()
             code = spawned[0].wait()
@@ -279,20 +274,11 @@ def _reason(e: BaseException) -> str:
     return (lines[-1] if lines else text.splitlines()[-1] if text else type(e).__name__).strip()
 
 
-def _reachable(address: str) -> bool:
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 def _connect(address: str | None) -> bool:
     """Connects this process to Ray unless it is; True if it did."""
     if ray.is_initialized():
         return False
-    if address not in (None, "auto") and not _reachable(address):  # ray.init would retry for minutes
+    if address not in (None, "auto") and not answers_tcp(address.removeprefix("ray://"), 5.0):  # ray.init would retry for minutes
         raise DpexConnectionError(
             f"nothing answers at the Ray address {address}: start the cluster there (ray start --head), "
             "check the address (ray://HOST:10001 for Ray Client, HOST:6379 for the head), or use a Dpex "
