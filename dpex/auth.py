@@ -85,7 +85,9 @@ class TokenCheck(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
+        return self._check(details, continuation(details))
+
+    def _check(self, details: grpc.HandlerCallDetails, handler: Any) -> Any:
         if details.method.startswith("/grpc.health."):
             return handler
         given = dict(details.invocation_metadata or ()).get(_KEY, "")
@@ -94,6 +96,13 @@ class TokenCheck(grpc.ServerInterceptor):
         # Refuse in the method's own shape (a streaming method needs a streaming handler).
         shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
         return _HANDLERS[shape](_refuse)
+
+
+class AsyncTokenCheck(grpc.aio.ServerInterceptor, TokenCheck):
+    """:class:`TokenCheck` for a ``grpc.aio`` server (the refusal runs in its thread pool)."""
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        return self._check(details, await continuation(details))
 
 
 class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

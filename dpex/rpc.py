@@ -3,6 +3,7 @@ retry helper, and the one mapping between DpexError and gRPC status codes."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import random
 import threading
@@ -10,9 +11,10 @@ import time
 from typing import Any, Callable, TypeVar
 
 import grpc
+from google.protobuf import message_factory
 
 from dpex import errors
-from dpex.auth import TokenCheck, with_token
+from dpex.auth import AsyncTokenCheck, TokenCheck, with_token
 
 log = logging.getLogger("dpex.rpc")
 
@@ -99,12 +101,60 @@ def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class Malformed:
+    """A request that did not parse (see :func:`add_servicer`)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.error = errors.DpexConfigError(f"malformed {type_name}: {error}")
+
+
+def add_servicer(server: grpc.Server | grpc.aio.Server, servicer: Any, service: Any) -> None:
+    """Registers ``servicer`` for ``service`` (a unary ServiceDescriptor), as
+    the generated ``add_*Servicer_to_server`` does, except that a request that
+    does not parse reaches the method as :class:`Malformed`, which
+    :func:`servicer_method` answers with INVALID_ARGUMENT (a ``grpc.aio``
+    server would say UNKNOWN)."""
+    handlers = {}
+    for method in service.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+
+        def parse(data: bytes, request_class: type = request_class) -> Any:
+            try:
+                return request_class.FromString(data)
+            except Exception as e:  # DecodeError, or a field that is not valid UTF-8
+                return Malformed(request_class.DESCRIPTOR.full_name, e)
+
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=parse,
+            response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def servicer_method(fn: F) -> F:
-    """Maps DpexError raised in a servicer method to its status code."""
+    """Maps DpexError raised in a servicer method (a coroutine too) to its status code."""
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def coroutine(*args: Any) -> Any:
+            context: grpc.aio.ServicerContext = args[-1]
+            try:
+                if isinstance(args[-2], Malformed):
+                    raise args[-2].error
+                return await fn(*args)
+            except errors.DpexError as e:
+                await context.abort(status_of(e), str(e))
+            except Exception as e:
+                log.exception("unexpected error in %s", fn.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return coroutine  # type: ignore[return-value]
+
     @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:  # (self,) request, context
         context: grpc.ServicerContext = args[-1]
         try:
+            if isinstance(args[-2], Malformed):
+                raise args[-2].error
             return fn(*args)
         except errors.DpexError as e:
             context.abort(status_of(e), str(e))
@@ -229,5 +279,15 @@ def add_health(server: grpc.Server, service: str) -> Any:
     return servicer
 
 
-def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
-    return [TokenCheck(token)] if token else []
+async def add_async_health(server: grpc.aio.Server, service: str) -> Any:
+    """:func:`add_health` for a ``grpc.aio`` server (call it on the server's loop)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", service):
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def server_interceptors(token: str | None, aio: bool = False) -> list[grpc.ServerInterceptor]:
+    return [(AsyncTokenCheck if aio else TokenCheck)(token)] if token else []

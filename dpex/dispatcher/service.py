@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import secrets
 import threading
 import time
@@ -49,7 +50,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._config = config
         self._state = DispatcherState()
         self._lock = threading.RLock()
-        self._waiters = Waiters(self._lock)
+        self._waiters = Waiters()
         self._seen = Liveness()
         self._started = time.monotonic()
         self._store = Store(config.work_dir, config.journal_compact_bytes) if config.work_dir else None
@@ -173,8 +174,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
     @servicer_method
-    def WorkerHeartbeat(self, request, context):
-        deadline = time.monotonic() + self._config.heartbeat_interval_s
+    async def WorkerHeartbeat(self, request, context):
+        # A coroutine on the server's loop: a fleet's long polls hold no thread.
+        # The lock is held between awaits only, never across one.
+        # Jittered: a fleet that started (or reconnected) at once spreads out
+        # instead of polling in bursts of every worker at each interval.
+        deadline = time.monotonic() + self._config.heartbeat_interval_s * random.uniform(0.8, 1.0)
         held = set(request.held_split_ids)
         saturated = frozenset((c.job_id, c.consumer_index) for c in request.saturated)
         with self._lock:
@@ -182,25 +187,32 @@ class DispatcherService(dgrpc.DispatcherServicer):
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
             self._seen.worker(worker.worker_id, request.load)
-            # Long-poll: answer as soon as there is work, so a plan starts within
-            # milliseconds, or splits to drop (a trainer left its epoch: the
-            # worker frees what it holds for it now). Every split assigned to the
-            # worker that it does not hold yet is sent, so a lost response loses no assignment.
-            while worker.alive and not self._stop.is_set() and context.is_active():
-                chosen = self._state.choose_splits(worker.worker_id, request.want_splits, saturated)
-                if chosen:
-                    self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
-                                                               split_ids=chosen))
+        # Long-poll: answer as soon as there is work, so a plan starts within
+        # milliseconds, or splits to drop (a trainer left its epoch: the worker
+        # frees what it holds for it now). Every split assigned to the worker
+        # that it does not hold yet is sent, so a lost response loses no assignment.
+        while True:
+            with self._lock:
+                if worker.alive and not self._stop.is_set():
+                    chosen = self._state.choose_splits(worker.worker_id, request.want_splits, saturated)
+                    if chosen:
+                        self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
+                                                                   split_ids=chosen))
                 release = self._state.releasable(worker.worker_id, list(held))
                 remaining = deadline - time.monotonic()
-                if worker.held - held or release or remaining <= 0 or self._waiters.full:
-                    break
-                self._waiters.worker(worker.worker_id, request.want_splits > 0, remaining, context)
-            response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
-            for split_id in sorted(worker.held - held):
-                self._describe(self._state.splits[split_id], response.splits.add())
-            self._seen.worker(worker.worker_id)
-        return response
+                if (worker.held - held or release or remaining <= 0 or not worker.alive
+                        or self._stop.is_set() or self._waiters.full):
+                    response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
+                    for split_id in sorted(worker.held - held):
+                        self._describe(self._state.splits[split_id], response.splits.add())
+                    self._seen.worker(worker.worker_id)
+                    return response
+                poll = self._waiters.worker(worker.worker_id, request.want_splits > 0)
+            try:
+                await poll.wait(remaining)
+            finally:
+                with self._lock:
+                    self._waiters.done(poll)
 
     @servicer_method
     def DeregisterWorker(self, request, context):
@@ -323,8 +335,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method
-    def SyncConsumer(self, request, context):
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0)
+    async def SyncConsumer(self, request, context):
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0) * random.uniform(0.8, 1.0)  # jittered
         with self._lock:
             self._job(request.job_id)
             plan = self._state.plan(request.job_id, request.consumer_index, request.epoch)
@@ -340,27 +352,32 @@ class DispatcherService(dgrpc.DispatcherServicer):
             # The batch the consumer waits for must have an owner now, even if
             # every worker is full (of batches the consumer cannot take before it).
             waited = self._state.unassigned_split_of(plan, request.next_seq)
-            target = self._state.least_loaded_worker()
-            if waited is not None and target is not None:
+            target = self._state.least_loaded_worker() if waited is not None else None
+            if target is not None:
                 self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id, split_ids=[waited]))
-            # Long-poll until the owners change, so the trainer learns of a
-            # new assignment at once without polling.
-            while True:
+        # Long-poll until the owners change, so the trainer learns of a new
+        # assignment at once without polling.
+        while True:
+            with self._lock:
                 owners = self._state.owners(plan)
                 digest = hashlib.sha256(repr([(s.split_id, w.worker_id) for s, w in owners])
                                         .encode()).digest()[:16]
                 remaining = deadline - time.monotonic()
                 if (digest != request.owners_digest or remaining <= 0 or self._stop.is_set()
-                        or not context.is_active() or self._waiters.full):
-                    break
-                self._waiters.consumer((request.job_id, request.consumer_index), remaining, context)
-            response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),
-                                                owners_digest=digest)
-            for split, worker in owners:
-                response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
-                                    num_batches=split.num_batches, worker_id=worker.worker_id,
-                                    worker_address=worker.address)
-            return response
+                        or self._waiters.full):
+                    response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),
+                                                        owners_digest=digest)
+                    for split, worker in owners:
+                        response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
+                                            num_batches=split.num_batches, worker_id=worker.worker_id,
+                                            worker_address=worker.address)
+                    return response
+                poll = self._waiters.consumer((request.job_id, request.consumer_index))
+            try:
+                await poll.wait(remaining)
+            finally:
+                with self._lock:
+                    self._waiters.done(poll)
 
     @servicer_method
     def ReleaseConsumer(self, request, context):

@@ -9,78 +9,109 @@ wakes those polls only: the workers whose splits changed, the consumers whose
 owners changed, and, when splits became available, as many of the workers
 waiting for splits as there are new splits (the longest waiting first).
 
-All methods are called with the service's lock held.
+A poll is a future on the gRPC server's event loop, not a thread: a fleet's
+long polls cost memory, not threads. Registering, unregistering and waking
+happen with the service's lock held, from any thread (the loop, the thread
+pool of the short calls, the reaper); waiting happens on the loop.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
-import threading
 from collections import OrderedDict
 
 from dpex.dispatcher.state import Changes
 
 
-# Long polls held at once (server.py gives the gRPC server threads for as many
-# and more); past it a poll is answered at once and the worker paces itself.
-MAX_POLLS = 2000
+# Long polls held at once; past it a poll is answered at once and the worker
+# paces itself (an interval between heartbeats).
+MAX_POLLS = 20_000
+
+
+class Poll:
+    """One long poll: done when woken or timed out."""
+
+    __slots__ = ("loop", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future = loop.create_future()
+
+    def wake(self) -> None:
+        """From any thread."""
+        try:
+            here = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._set()
+        else:
+            self.loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        timer = self.loop.call_later(timeout, self._set)
+        try:
+            await self.future
+        finally:
+            timer.cancel()
 
 
 class Waiters:
-    def __init__(self, lock: threading.RLock) -> None:
-        self._lock = lock
-        self._workers: dict[str, set[threading.Condition]] = {}
-        self._hungry: OrderedDict[threading.Condition, None] = OrderedDict()  # wanting splits, oldest first
-        self._consumers: dict[tuple[int, int], set[threading.Condition]] = {}
-        self.polling = 0  # polls waiting now
+    def __init__(self) -> None:
+        self._workers: dict[str, set[Poll]] = {}
+        self._hungry: OrderedDict[Poll, None] = OrderedDict()  # wanting splits, oldest first
+        self._consumers: dict[tuple[int, int], set[Poll]] = {}
+        self._tables: dict[Poll, tuple[dict, object]] = {}
+
+    @property
+    def polling(self) -> int:
+        """Polls waiting now."""
+        return len(self._tables)
 
     @property
     def full(self) -> bool:
         return self.polling >= MAX_POLLS
 
-    def worker(self, worker_id: str, wants_splits: bool, timeout: float, context=None) -> None:
-        """Waits (at most ``timeout``) until the worker's splits change or,
-        if it ``wants_splits``, splits become available."""
-        self._poll(self._workers, worker_id, wants_splits, timeout, context)
+    def worker(self, worker_id: str, wants_splits: bool) -> Poll:
+        """A poll (to :meth:`Poll.wait` on, then :meth:`done`) woken when the
+        worker's splits change or, if it ``wants_splits``, splits become available."""
+        poll = self._add(self._workers, worker_id)
+        if wants_splits:
+            self._hungry[poll] = None
+        return poll
 
-    def consumer(self, key: tuple[int, int], timeout: float, context=None) -> None:
-        """Waits (at most ``timeout``) until the owners of the consumer's plan change."""
-        self._poll(self._consumers, key, False, timeout, context)
+    def consumer(self, key: tuple[int, int]) -> Poll:
+        """A poll woken when the owners of the consumer's plan change."""
+        return self._add(self._consumers, key)
+
+    def done(self, poll: Poll) -> None:
+        table, key = self._tables.pop(poll)
+        table[key].discard(poll)
+        if not table[key]:
+            del table[key]
+        self._hungry.pop(poll, None)
 
     def wake(self, changes: Changes) -> None:
         for worker_id in changes.workers:
-            for cond in self._workers.get(worker_id, ()):
-                cond.notify()
+            for poll in self._workers.get(worker_id, ()):
+                poll.wake()
         for key in changes.consumers:
-            for cond in self._consumers.get(key, ()):
-                cond.notify()
-        for cond in list(itertools.islice(self._hungry, changes.splits_freed)):
-            cond.notify()
-            self._hungry.move_to_end(cond)  # woken: the next new split goes to another first
+            for poll in self._consumers.get(key, ()):
+                poll.wake()
+        for poll in list(itertools.islice(self._hungry, changes.splits_freed)):
+            poll.wake()
+            self._hungry.move_to_end(poll)  # woken: the next new split goes to another first
 
     def wake_all(self) -> None:
-        for polls in (*self._workers.values(), *self._consumers.values()):
-            for cond in polls:
-                cond.notify()
+        for poll in list(self._tables):
+            poll.wake()
 
-    def _poll(self, table: dict, key, hungry: bool, timeout: float, context) -> None:
-        cond = threading.Condition(self._lock)
-        table.setdefault(key, set()).add(cond)
-        if hungry:
-            self._hungry[cond] = None
-        # A cancelled call (the worker cut its poll short, a trainer left)
-        # frees its thread at once rather than at the timeout.
-        if context is not None:
-            context.add_callback(lambda: self._notify(cond))
-        self.polling += 1
-        try:
-            cond.wait(timeout)
-        finally:
-            self.polling -= 1
-            table[key].discard(cond)
-            if not table[key]:
-                del table[key]
-            self._hungry.pop(cond, None)
-
-    def _notify(self, cond: threading.Condition) -> None:
-        with self._lock:
-            cond.notify()
+    def _add(self, table: dict, key) -> Poll:
+        poll = Poll(asyncio.get_running_loop())
+        table.setdefault(key, set()).add(poll)
+        self._tables[poll] = (table, key)
+        return poll
