@@ -17,7 +17,7 @@ def _check(cond: bool, msg: str) -> None:
 class DispatcherConfig:
     host: str = "0.0.0.0"
     port: int = 7070                     # 0 picks a free port
-    heartbeat_interval_s: float = 1.0    # workers heartbeat this often (long-poll length)
+    heartbeat_interval_s: float = 5.0    # the long poll of a heartbeat (it answers at once when there is work)
     heartbeat_timeout_s: float = 10.0    # a worker silent this long is lost
     split_size_batches: int = 4          # batches per split (the unit of assignment)
     work_dir: str | None = None          # the journal's directory; None: state in memory only
@@ -59,7 +59,7 @@ class WorkerConfig:
     buffer_batches: int = 8              # finished batches each consumer may hold ahead of requests
     buffer_bytes: int = 1 << 30          # memory for batches made ahead, shared equally by consumers
     max_held_splits: int = 4             # splits taken from the dispatcher at once
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 5.0    # as the dispatcher's (the same $DPEX_HEARTBEAT_INTERVAL)
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked or sent
     allow_unauthenticated: bool = False  # without a token: run jobs of a non-loopback dispatcher

@@ -19,8 +19,9 @@ from dpex.errors import DpexError
               show_envvar=True, help="Directory of the journal: every state change is written (fsync'd) "
               "there first; a restart reads the last snapshot and the log after it. Without it, state is "
               "in memory only.")
-@click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
-              show_envvar=True, help="Seconds between worker heartbeats (the long-poll length).")
+@click.option("--heartbeat-interval", type=float, default=5.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+              show_envvar=True, help="Seconds a worker's heartbeat long-polls when there is nothing to tell "
+              "it (work and changes are answered at once); longer: less load from a large fleet.")
 @click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
               show_envvar=True, help="Seconds of silence after which a worker is lost.")
 @click.option("--consumer-timeout", type=float, default=60.0, envvar="DPEX_CONSUMER_TIMEOUT",

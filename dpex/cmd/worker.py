@@ -28,8 +28,8 @@ from dpex.procutil import reuse_freed_memory
               help="Memory for batches made ahead, in MiB; the consumers with work here share it equally.")
 @click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
               help="Splits taken from the dispatcher at once.")
-@click.option("--heartbeat-interval", type=float, default=1.0, envvar="DPEX_HEARTBEAT_INTERVAL",
-              show_envvar=True, help="Seconds between heartbeats to the dispatcher.")
+@click.option("--heartbeat-interval", type=float, default=5.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+              show_envvar=True, help="Seconds between heartbeats to the dispatcher (as the dispatcher's).")
 @click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
 @message_limit_option(1024, "Largest batch sent, in MiB; a bigger batch is an error for the trainer "

@@ -102,7 +102,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     def _reap(self) -> None:
         """Marks silent workers lost and releases silent consumers."""
-        period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4)
+        period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4, 1.0)
         while not self._stop.wait(period):
             with self._lock:
                 alive = [w.worker_id for w in self._state.alive_workers()]

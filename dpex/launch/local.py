@@ -90,7 +90,7 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
-                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 heartbeat_interval_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
                  split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
                  consumer_timeout_s: float = 60.0, auth_token: str | None = None,
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
