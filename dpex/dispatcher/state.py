@@ -192,6 +192,7 @@ class DispatcherState:
 
     def __init__(self) -> None:
         self.workers: dict[str, Worker] = {}
+        self._alive: list[Worker] | None = None  # alive_workers(), until a worker comes or goes
         self.jobs: dict[int, Job] = {}
         self.jobs_by_name: dict[str, int] = {}
         self.splits: dict[int, Split] = {}          # handed out, not delivered, not cancelled
@@ -224,6 +225,7 @@ class DispatcherState:
                 self._lose(old)
                 del self.workers[old.worker_id]
         self.workers[u.worker_id] = Worker(u.worker_id, u.address)
+        self._alive = None
 
     def _apply_worker_lost(self, u: jpb.WorkerLost) -> None:
         worker = self.workers.get(u.worker_id)
@@ -235,6 +237,7 @@ class DispatcherState:
         worker = self.workers.get(u.worker_id)
         if worker is not None and not worker.alive:
             del self.workers[u.worker_id]
+            self._alive = None
             self.workers_forgotten_total += 1
 
     def _apply_remove_job(self, u: jpb.RemoveJob) -> None:
@@ -363,6 +366,7 @@ class DispatcherState:
 
     def _lose(self, worker: Worker) -> None:
         worker.alive = False
+        self._alive = None
         for split_id in worker.held:
             split = self.splits[split_id]
             split.worker_id = None
@@ -460,7 +464,7 @@ class DispatcherState:
         pending: dict[int, list] = {}
         for job in self.jobs.values():
             for consumer, plan in job.plans.items():
-                if plan.finished or (job.job_id, consumer) in saturated:
+                if plan.finished or (saturated and (job.job_id, consumer) in saturated):
                     continue
                 index = plan.head()
                 if index is not None:
@@ -517,4 +521,7 @@ class DispatcherState:
                 if s not in self.splits or self.splits[s].worker_id != worker_id]
 
     def alive_workers(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.alive]
+        """The workers alive now (a list shared until one comes or goes: not to be changed)."""
+        if self._alive is None:
+            self._alive = [w for w in self.workers.values() if w.alive]
+        return self._alive
