@@ -12,19 +12,23 @@
 - a dispatcher's restart (kill -9, same --work-dir) after that history:
   seconds until it serves again;
 - a real dispatcher process driven over gRPC by fake workers (10, 100,
-  1,000) heartbeating at the default 1 s and 256 fake consumers syncing with
-  plans in work: the dispatcher's CPU (fraction of one core, including the
-  setup: registering the workers, submitting the plans), the p99 of the
-  heartbeats that ask for splits (there are always some to take, so they
-  come back at once), how far past the 1 s long poll the others come back,
-  and its RSS.
+  1,000; a connection each) heartbeating at the default long poll and 256
+  fake consumers syncing with plans in work (each taking a split a second):
+  the dispatcher's CPU (fraction of one core, including the setup:
+  registering the workers, submitting the plans), calls per second, the
+  p50/p99 of heartbeats asking for a split (there are always some to take,
+  so they come back at once) from a probe process of their own (beside it,
+  a health check's p99: the transport alone), how long idle heartbeats
+  poll, and its RSS. With 2+ cores the dispatcher gets one core to itself.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data as tud  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 import dpex  # noqa: E402
 from dpex.client.options import Indices  # noqa: E402
+from dpex.config import DispatcherConfig  # noqa: E402
 from dpex.plan import samplers  # noqa: E402
 from dpex.proto import dispatcher_pb2 as dpb  # noqa: E402
 from dpex.proto import dispatcher_pb2_grpc as dgrpc  # noqa: E402
@@ -108,7 +114,8 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def _load(address: str, workers: int, consumers: int, samples: int, seconds: float) -> tuple[list, int]:
+async def _load(address: str, workers: int, consumers: int, samples: int, seconds: float,
+                interval: float) -> tuple[list, int]:
     ch = grpc.aio.insecure_channel(address)
     stub = dgrpc.DispatcherStub(ch)
     job = await stub.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
@@ -122,30 +129,30 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
     ids = [(await stub.RegisterWorker(dpb.RegisterWorkerRequest(address=f"10.0.{i // 250}.{i % 250}:1")))
            .worker_id for i in range(workers)]
     end = time.monotonic() + seconds
-    asked: list[float] = []   # heartbeats asking for splits (there are always some to take)
-    overrun: list[float] = []  # the others: how far past the 1 s long poll they came back
+    idle: list[float] = []  # heartbeats that came back with nothing: how long they polled
     heartbeats = 0
 
     async def worker(worker_id: str) -> None:
         nonlocal heartbeats
+        # A connection of its own, as a worker has (HTTP/2 caps the streams of one).
+        own = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        stub = dgrpc.DispatcherStub(own)
         held: list[int] = []
         while time.monotonic() < end:
             started = time.monotonic()
-            want = max(0, 2 - len(held))
             r = await stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(
-                worker_id=worker_id, want_splits=want, held_split_ids=held))
+                worker_id=worker_id, want_splits=max(0, 2 - len(held)), held_split_ids=held))
             heartbeats += 1
-            took = time.monotonic() - started
-            if want:
-                asked.append(took)
-            elif not r.splits and not r.release_split_ids:
-                overrun.append(max(0.0, took - 1.0))
+            if not r.splits and not r.release_split_ids:
+                idle.append(time.monotonic() - started)
             held = [s for s in held if s not in set(r.release_split_ids)] + [s.split_id for s in r.splits]
             # A split "takes" about a second: the oldest is reported done by its consumer below.
+        await own.close()
 
     async def consumer(k: int) -> None:
         # Takes one split a second: the lowest its sync names an owner for.
         digest, delivered, next_seq = b"", [], 0
+        await asyncio.sleep(random.random())  # trainers are not in lockstep to the millisecond
         while time.monotonic() < end:
             r = await stub.SyncConsumer(dpb.SyncConsumerRequest(
                 job_id=job.job_id, consumer_index=k, epoch=0, owners_digest=digest, wait_s=1.0,
@@ -159,7 +166,30 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
 
     await asyncio.gather(*(worker(w) for w in ids), *(consumer(k) for k in range(consumers)))
     await ch.close()
-    return asked, overrun, heartbeats
+    return idle, heartbeats
+
+
+def probe(address: str, seconds: float) -> None:
+    """A worker of its own process asking for a split every 20 ms (there are
+    always some to take, so each heartbeat should come back at once), and a
+    health check beside it; prints the p50/p99 of both, in ms."""
+    ch = grpc.insecure_channel(address)
+    stub = dgrpc.DispatcherStub(ch)
+    health = health_pb2_grpc.HealthStub(ch)
+    worker_id = stub.RegisterWorker(dpb.RegisterWorkerRequest(address="10.255.0.1:1")).worker_id
+    beats, checks, held = [], [], []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.perf_counter()
+        health.Check(health_pb2.HealthCheckRequest())
+        checks.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        r = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id, want_splits=1,
+                                                            held_split_ids=held))
+        beats.append(time.perf_counter() - started)
+        held = [s for s in held if s not in set(r.release_split_ids)] + [s.split_id for s in r.splits]
+        time.sleep(0.02)
+    print(statistics.median(beats) * 1000, p99_ms(beats), statistics.median(checks) * 1000, p99_ms(checks))
 
 
 def p99_ms(values: list[float]) -> float:
@@ -167,30 +197,49 @@ def p99_ms(values: list[float]) -> float:
 
 
 def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None:
-    print(f"\n## dispatcher under load: fake workers heartbeating every 1 s, {consumers} consumers "
-          f"syncing, a {samples:,}-sample job ({seconds:.0f} s each)")
-    print(f"{'workers':>8} {'CPU % core':>11} {'hb/s':>7} {'p99 asking ms':>14} {'p99 idle overrun ms':>20} "
-          f"{'RSS MB':>7}")
+    interval = DispatcherConfig.heartbeat_interval_s
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"\n## dispatcher under load: fake workers heartbeating (default {interval:g} s long poll, a "
+          f"connection each), {consumers} consumers syncing, a {samples:,}-sample job ({seconds:.0f} s each)")
+    if len(cores) > 1:
+        print(f"(the dispatcher on core {cores[0]}, the load generator and the probe on the other cores)")
+    print(f"{'workers':>8} {'CPU % core':>11} {'hb/s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} "
+          f"{'health p99':>11} {'idle poll s':>12} {'RSS MB':>7}")
     for workers in fleet:
-        with test_cluster(num_workers=0, heartbeat_interval_s=1.0, heartbeat_timeout_s=30,
+        with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=30,
                           consumer_timeout_s=30, split_size_batches=4) as c:
             pid = c.dispatcher.process.pid
+            if len(cores) > 1:
+                os.sched_setaffinity(pid, cores[:1])
+                os.sched_setaffinity(0, cores[1:])
             before, t0 = cpu_seconds(pid), time.monotonic()
-            asked, overrun, heartbeats = asyncio.run(_load(c.address, workers, consumers, samples, seconds))
-            busy = (cpu_seconds(pid) - before) / (time.monotonic() - t0)
-            print(f"{workers:>8} {100 * busy:>11.1f} {heartbeats / seconds:>7.0f} {p99_ms(asked):>14.1f} "
-                  f"{p99_ms(overrun):>20.1f} {rss_mb(pid):>7.1f}")
+            prober = subprocess.Popen([sys.executable, __file__, "--probe", c.address, str(seconds - 2)],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                idle, heartbeats = asyncio.run(_load(c.address, workers, consumers, samples, seconds, interval))
+                busy = (cpu_seconds(pid) - before) / (time.monotonic() - t0)
+                hb50, hb99, _, health99 = map(float, prober.communicate(timeout=60)[0].split())
+            finally:
+                prober.kill()
+                os.sched_setaffinity(0, cores)
+            print(f"{workers:>8} {100 * busy:>11.1f} {heartbeats / seconds:>8.0f} {hb50:>10.1f} {hb99:>10.1f} "
+                  f"{health99:>11.1f} {statistics.median(idle) if idle else float('nan'):>12.2f} "
+                  f"{rss_mb(pid):>7.1f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter runs")
     parser.add_argument("--huge", action="store_true", help="the first batch of a 10^9 shuffled epoch too")
+    parser.add_argument("--probe", nargs=2, metavar=("ADDRESS", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        probe(args.probe[0], float(args.probe[1]))
+        return
     print(f"# control plane, {os.cpu_count()} cores, torch {torch.__version__}")
     plans([10**4, 10**6] if args.quick else [10**4, 10**6, 10**8, 10**9], args.huge)
     history([10, 100] if args.quick else [10, 100, 1000])
-    load([10, 100] if args.quick else [10, 100, 1000], 256, 10**8, 5 if args.quick else 20)
+    load([10, 100] if args.quick else [10, 100, 1000], 256, 10**8, 10 if args.quick else 30)
 
 
 if __name__ == "__main__":
