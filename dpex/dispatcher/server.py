@@ -35,6 +35,16 @@ FLEET_OPTIONS = [
 ]
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's where it is installed (a tenth less CPU under a fleet, see
+    benchmarks/RESULTS.md §13), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class DispatcherServer:
     """A running dispatcher; ``address`` is where it listens."""
 
@@ -42,7 +52,7 @@ class DispatcherServer:
         self.config = config
         self.service = DispatcherService(config)
         self._closed = False
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dpex-rpc-loop", daemon=True)
         self._thread.start()
         self.metrics = None
