@@ -283,14 +283,23 @@ def _connect(address: str | None) -> bool:
             f"nothing answers at the Ray address {address}: start the cluster there (ray start --head), "
             "check the address (ray://HOST:10001 for Ray Client, HOST:6379 for the head), or use a Dpex "
             "dispatcher (head_address='dpex://HOST:PORT')")
-    try:
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
-                 logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise DpexConnectionError(
-            f"cannot reach the Ray cluster at {address or 'auto'}: {e}; start it (ray start --head) or "
-            "give its address (ray://HOST:10001 or HOST:6379), or use a Dpex dispatcher "
-            "(head_address='dpex://HOST:PORT')") from None
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
+                     logging_level=logging.WARNING)
+            return True
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            # A failed init can leave Ray half set up in this process (the next
+            # init then trips over it): undo it. Once more: a Ray Client server
+            # for this connection can fail to start on a loaded head.
+            ray.shutdown()
+            if attempt == 2 or isinstance(e, ValueError):
+                raise DpexConnectionError(
+                    f"cannot reach the Ray cluster at {address or 'auto'}: {e}; start it (ray start --head) or "
+                    "give its address (ray://HOST:10001 or HOST:6379), or use a Dpex dispatcher "
+                    "(head_address='dpex://HOST:PORT')") from None
+            log.warning("could not connect to the Ray cluster at %s (%s); trying once more",
+                        address or "auto", _reason(e))
     return True
 
 
