@@ -132,35 +132,38 @@ def add_servicer(server: grpc.Server | grpc.aio.Server, servicer: Any, service: 
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def _failure(fn: Callable, e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and details a servicer method's exception is answered with."""
+    if isinstance(e, errors.DpexError):
+        return status_of(e), str(e)
+    log.exception("unexpected error in %s", fn.__name__)  # a bug: say so instead of a bare UNKNOWN
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        raise request.error
+    return request
+
+
 def servicer_method(fn: F) -> F:
-    """Maps DpexError raised in a servicer method (a coroutine too) to its status code."""
+    """Maps DpexError raised in a servicer method (a coroutine too) to its
+    status code, and a :class:`Malformed` request to INVALID_ARGUMENT."""
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
-        async def coroutine(*args: Any) -> Any:
-            context: grpc.aio.ServicerContext = args[-1]
+        async def coroutine(*args: Any) -> Any:  # (self,) request, context
             try:
-                if isinstance(args[-2], Malformed):
-                    raise args[-2].error
-                return await fn(*args)
-            except errors.DpexError as e:
-                await context.abort(status_of(e), str(e))
+                return await fn(*args[:-2], _parsed(args[-2]), args[-1])
             except Exception as e:
-                log.exception("unexpected error in %s", fn.__name__)
-                await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+                await args[-1].abort(*_failure(fn, e))
         return coroutine  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def wrapper(*args: Any) -> Any:  # (self,) request, context
-        context: grpc.ServicerContext = args[-1]
         try:
-            if isinstance(args[-2], Malformed):
-                raise args[-2].error
-            return fn(*args)
-        except errors.DpexError as e:
-            context.abort(status_of(e), str(e))
-        except Exception as e:  # a bug: say so instead of a bare UNKNOWN
-            log.exception("unexpected error in %s", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            return fn(*args[:-2], _parsed(args[-2]), args[-1])
+        except Exception as e:
+            args[-1].abort(*_failure(fn, e))
     return wrapper  # type: ignore[return-value]
 
 

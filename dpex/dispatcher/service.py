@@ -100,6 +100,14 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._waiters.wake(changes)
         return result
 
+    async def _wait(self, poll, timeout: float) -> None:
+        """Waits (the lock not held) for a long poll to be woken or time out, then drops it."""
+        try:
+            await poll.wait(timeout)
+        finally:
+            with self._lock:
+                self._waiters.done(poll)
+
     def _reap(self) -> None:
         """Marks silent workers lost and releases silent consumers."""
         period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4, 1.0)
@@ -208,11 +216,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                     self._seen.worker(worker.worker_id)
                     return response
                 poll = self._waiters.worker(worker.worker_id, request.want_splits > 0)
-            try:
-                await poll.wait(remaining)
-            finally:
-                with self._lock:
-                    self._waiters.done(poll)
+            await self._wait(poll, remaining)
 
     @servicer_method
     def DeregisterWorker(self, request, context):
@@ -373,11 +377,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                             worker_address=worker.address)
                     return response
                 poll = self._waiters.consumer((request.job_id, request.consumer_index))
-            try:
-                await poll.wait(remaining)
-            finally:
-                with self._lock:
-                    self._waiters.done(poll)
+            await self._wait(poll, remaining)
 
     @servicer_method
     def ReleaseConsumer(self, request, context):

@@ -300,7 +300,7 @@ def _connect(address: str | None) -> bool:
                     "(head_address='dpex://HOST:PORT')") from None
             log.warning("could not connect to the Ray cluster at %s (%s); trying once more",
                         address or "auto", _reason(e))
-    return True
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 def start(address: str | None = "auto", config: RayConfig | None = None, wait_s: float = 120.0) -> Endpoint:
