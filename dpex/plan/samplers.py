@@ -103,6 +103,12 @@ def num_batches(spec: Spec) -> int:
 
 
 # ---- whoever needs a split's batches ----------------------------------------------------------
+def draws_order(spec: Spec) -> bool:
+    """Whether a split's batches need the epoch's whole permutation drawn first
+    (O(length) time and memory, once per process and epoch)."""
+    return spec.kind == Spec.RANDOM or (spec.kind == Spec.DISTRIBUTED and spec.shuffle)
+
+
 def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
     """Index batches ``first`` .. ``first + count - 1`` of the described epoch."""
     check_version(spec)
@@ -139,12 +145,18 @@ _cache_lock = threading.Lock()
 _computing: dict[bytes, threading.Lock] = {}
 
 
+def order_key(spec: Spec) -> bytes:
+    """Equal for descriptions that share one drawn order (a DistributedSampler's
+    ranks; the splits of an epoch)."""
+    return Spec(kind=spec.kind, length=spec.length, replacement=spec.replacement, num_samples=spec.num_samples,
+                seed=spec.seed, generator_state=spec.generator_state,
+                shuffle=spec.shuffle).SerializeToString(deterministic=True)
+
+
 def _order(spec: Spec) -> Any:
     """The whole sampler order of a random description (the shared permutation
     of a DistributedSampler's ranks), computed once per process and epoch."""
-    key = Spec(kind=spec.kind, length=spec.length, replacement=spec.replacement, num_samples=spec.num_samples,
-               seed=spec.seed, generator_state=spec.generator_state,
-               shuffle=spec.shuffle).SerializeToString(deterministic=True)
+    key = order_key(spec)
     with _cache_lock:
         if key in _cache:
             _cache.move_to_end(key)

@@ -127,9 +127,13 @@ class Scheduler:
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
         self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._closed = False
-        # A described split's indices are computed here, off the scheduler's thread: the
-        # first split of an epoch may draw a permutation of the whole dataset.
-        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpex-planner")
+        # A described split whose indices need the epoch's whole permutation is computed
+        # here, off the scheduler's thread: drawing it is O(len(dataset)) (a minute at 10^9),
+        # and one job's draw must not hold up another's: a thread per order, not per split
+        # (a draw runs on even when its epoch was left; a split released before its turn
+        # is skipped, and with it the draw when none of its order is held any more).
+        self._planner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dpex-planner")
+        self._drawing: dict[bytes, list[_Split]] = {}  # an order's splits not yet planned
         self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
@@ -216,9 +220,42 @@ class Scheduler:
             if not split.HasField("sampler"):
                 self._planned(entry, [list(b.indices) for b in split.batches])
                 return
-        future = self._planner.submit(samplers.batches, split.sampler, split.first_seq, split.num_batches)
-        future.add_done_callback(lambda f: self._planned(entry, f.result() if not f.exception() else None,
-                                                         f.exception()))
+        if not samplers.draws_order(split.sampler):  # a few operations per index: at once
+            self._plan(entry)
+            return
+        key = samplers.order_key(split.sampler)
+        with self._cond:  # one planner thread per order: the others stay free for other jobs
+            waiting = self._drawing.get(key)
+            if waiting is not None:
+                waiting.append(entry)
+                return
+            self._drawing[key] = [entry]
+        self._planner.submit(self._plan_order, key)
+
+    def _plan_order(self, key: bytes) -> None:
+        """Plans the splits of one order as they come; the first draws it."""
+        while True:
+            with self._cond:
+                entries = self._drawing[key]
+                if not entries:
+                    del self._drawing[key]
+                    return
+                self._drawing[key] = []
+            for entry in entries:
+                self._plan(entry)
+
+    def _plan(self, entry: _Split) -> None:
+        """Computes a described split's indices, unless it was released meanwhile."""
+        with self._cond:
+            if self._splits.get(entry.split.split_id) is not entry:
+                return
+        split = entry.split
+        try:
+            batches = samplers.batches(split.sampler, split.first_seq, split.num_batches)
+        except Exception as e:  # noqa: BLE001 - the split's error, reported to its consumer
+            self._planned(entry, None, e)
+            return
+        self._planned(entry, batches)
 
     def _planned(self, entry: _Split, batches: list[list[int]] | None, error: BaseException | None = None) -> None:
         """A split's indices are known: its batches may be produced."""
@@ -238,6 +275,9 @@ class Scheduler:
                 entry.unproduced.add(key)
                 queue.add(key, urgent=key in self._waiters)
             self._cond.notify_all()
+            if split.consumer_index is not None and (split.job_id, split.consumer_index) in self._saturated:
+                self._saturated.discard((split.job_id, split.consumer_index))
+                self.on_capacity()  # it was reported waiting for its draw: it may take splits again
 
     def release(self, split_ids) -> None:
         runners = []
@@ -286,15 +326,17 @@ class Scheduler:
         slow consumer's splits must not keep the other jobs' out, and the
         worker must not take more of them either. Produced ones wait in the
         bounded buffer, and must not stop the worker from taking the split a
-        trainer waits for."""
+        trainer waits for. A consumer whose split waits for its epoch's
+        permutation to be drawn takes one split's room and no more splits
+        until it is drawn (a draw of 10^8 samples takes seconds)."""
         with self._cond:
             active = self._active()
-            saturated = {c for c, q in self._queues.items()
-                         if q.idle or not self._budget.room(c, active)}
+            drawing = {(e.split.job_id, e.split.consumer_index) for e in self._splits.values() if not e.planned}
+            saturated = drawing | {c for c, q in self._queues.items()
+                                   if q.idle or not self._budget.room(c, active)}
             self._saturated = saturated
-            busy = sum(1 for e in self._splits.values()
-                       if (e.unproduced or not e.planned)
-                       and (e.split.job_id, e.split.consumer_index) not in saturated)
+            busy = len(drawing) + sum(1 for e in self._splits.values()
+                                      if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated)
             return max(0, max_held_splits - busy), sorted(saturated)
 
     def depth(self) -> tuple[int, int]:

@@ -142,3 +142,22 @@ def dpex_status(cluster):
         return dgrpc.DispatcherStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=10).jobs
     finally:
         ch.close()
+
+
+def test_a_jobs_whole_permutation_draw_does_not_hold_up_another_job():
+    # A shuffled epoch of 3 * 10^8 samples: the worker draws torch's permutation of all
+    # of them (about 20 s here) before its first batch. Another job's epoch runs meanwhile,
+    # and the drawing job holds one split's room, not the worker's every split.
+    big = dpex.DatasetSpec("dpex.client.options:Indices", 3 * 10**8)
+    with test_cluster(num_workers=1, processes=1, buffer_batches=BUFFER, metrics=True) as c, \
+            dpex.RemoteDataLoader(c.address, big, batch_size=1024, shuffle=True, timeout=120) as slow, \
+            dpex.RemoteDataLoader(c.address, SPEC, batch_size=4, shuffle=True, seed=2, timeout=10) as quick:
+        drawing = iter(slow)
+        wait_until(lambda: total(scrape(c.workers[0].metrics_url), "dpex_worker_splits_held") > 0,
+                   what="the worker to take the big epoch's first split")
+        epoch = iter(quick)
+        got = next(epoch)["y"].tolist()  # then the trainer pauses: the worker makes its batches ahead
+        wait_until(lambda: ready(c, quick) >= BUFFER // 2, 10, "the other job's batches made ahead beside the draw")
+        got += [y for batch in epoch for y in batch["y"].tolist()]
+        assert sorted(got) == list(range(400))
+        drawing.close()
