@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/controlplane.py [--quick] [--huge]
 
-- plan submission for a shuffled epoch of 10^4 .. 10^9 samples (batch 1024):
+- plan submission for a shuffled epoch of 10^4 .. 10^9 samples (batch 1024),
+  with torch's RandomSampler (`shuffle=True`) and with dpex.ShuffleSampler:
   bytes of the SubmitPlan request, seconds for `iter()` (describe + submit)
-  and to the first batch, beside a torch DataLoader's first batch (up to
-  10^8; torch's RandomSampler needs 36 GB of Python ints for 10^9). The
-  workers' first batch of a shuffled epoch draws torch's permutation of the
-  whole dataset once per epoch (O(n), as torch does): --huge runs 10^9 too;
+  and to the first batch, beside a torch DataLoader's first batch with the
+  same sampler (RandomSampler up to 10^8: it needs 36 GB of Python ints for
+  10^9). With RandomSampler the worker's first batch draws torch's
+  permutation of the whole dataset once per epoch (O(n), as torch does;
+  --huge runs 10^9 too); ShuffleSampler computes only the batch's positions;
 - the work dir after 10, 100 and 1,000 short epochs (journal + snapshot);
 - a dispatcher's restart (kill -9, same --work-dir) after that history:
   seconds until it serves again;
@@ -48,31 +50,45 @@ from dpex.proto import dispatcher_pb2_grpc as dgrpc  # noqa: E402
 from dpex.testing import test_cluster  # noqa: E402
 
 
+def _sampler(kind: str, n: int) -> tud.Sampler | None:
+    return dpex.ShuffleSampler(n, seed=0) if kind == "ShuffleSampler" else None  # None: shuffle=True
+
+
 def plans(sizes: list[int], huge_first_batch: bool) -> None:
-    print("\n## plan submission, shuffled, batch 1024")
-    print(f"{'samples':>14} {'request B':>10} {'iter() s':>9} {'1st batch s':>12} {'torch 1st s':>12}")
+    print("\n## plan submission, shuffled, batch 1024 (after a warm-up epoch: the worker has imported torch)")
+    print(f"{'sampler':>15} {'samples':>14} {'request B':>10} {'iter() s':>9} {'1st batch s':>12} {'torch 1st s':>12}")
     with test_cluster(num_workers=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=60) as c:
-        for n in sizes:
-            spec = dpex.DatasetSpec("dpex.client.options:Indices", n)
-            with dpex.RemoteDataLoader(c.address, spec, batch_size=1024, shuffle=True, timeout=600) as dl:
-                torch.manual_seed(0)
-                probe = tud.DataLoader(Indices(n), batch_size=1024, shuffle=True)
-                iter(probe)
-                request = dpb.SubmitPlanRequest(job_id=1, epoch=0, base_seed=2**62, sampler=samplers.describe(probe))
-                started = time.perf_counter()
-                it = iter(dl)
-                submitted = time.perf_counter() - started
-                first = "skipped"
-                if n < 10**9 or huge_first_batch:
-                    next(it)
-                    first = f"{time.perf_counter() - started:.2f}"
-                it.close()
-            torch_first = "n/a"
-            if n <= 10**8:
-                started = time.perf_counter()
-                next(iter(tud.DataLoader(Indices(n), batch_size=1024, shuffle=True)))
-                torch_first = f"{time.perf_counter() - started:.2f}"
-            print(f"{n:>14,} {request.ByteSize():>10} {submitted:>9.3f} {first:>12} {torch_first:>12}")
+        warm = dpex.DatasetSpec("dpex.client.options:Indices", 10**4)
+        with dpex.RemoteDataLoader(c.address, warm, batch_size=1024, shuffle=True, timeout=600) as dl:
+            next(iter(dl))
+        for kind in ("RandomSampler", "ShuffleSampler"):
+            for n in sizes:
+                random_sampler = kind == "RandomSampler"
+                spec = dpex.DatasetSpec("dpex.client.options:Indices", n)
+                with dpex.RemoteDataLoader(c.address, spec, batch_size=1024, shuffle=random_sampler,
+                                           sampler=_sampler(kind, n), timeout=600) as dl:
+                    torch.manual_seed(0)
+                    probe = tud.DataLoader(Indices(n), batch_size=1024, shuffle=random_sampler,
+                                           sampler=_sampler(kind, n))
+                    iter(probe)
+                    request = dpb.SubmitPlanRequest(job_id=1, epoch=0, base_seed=2**62,
+                                                    sampler=samplers.describe(probe))
+                    started = time.perf_counter()
+                    it = iter(dl)
+                    submitted = time.perf_counter() - started
+                    first = "skipped"
+                    if n < 10**9 or huge_first_batch or not random_sampler:
+                        next(it)
+                        first = f"{time.perf_counter() - started:.3f}"
+                    it.close()
+                torch_first = "n/a"
+                if n <= 10**8 or not random_sampler:  # RandomSampler: 36 GB of Python ints for 10^9
+                    started = time.perf_counter()
+                    next(iter(tud.DataLoader(Indices(n), batch_size=1024, shuffle=random_sampler,
+                                             sampler=_sampler(kind, n))))
+                    torch_first = f"{time.perf_counter() - started:.3f}"
+                print(f"{kind:>15} {n:>14,} {request.ByteSize():>10} {submitted:>9.3f} {first:>12} "
+                      f"{torch_first:>12}")
 
 
 def du(path: str) -> int:

@@ -14,6 +14,7 @@ _EXPORTS = {
     "LoaderStats": "dpex.client.stats",
     "LocalCluster": "dpex.launch.local",
     "DatasetSpec": "dpex.dataset",
+    "ShuffleSampler": "dpex.plan.shuffle",
     **{name: "dpex.errors" for name in (
         "DpexError", "DpexAuthError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
         "DpexNotFoundError", "DpexTimeoutError", "DpexWireError", "DpexWorkerError")},
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from dpex.client.stats import LoaderStats
     from dpex.launch.local import LocalCluster
     from dpex.dataset import DatasetSpec
+    from dpex.plan.shuffle import ShuffleSampler
     from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,
                              DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,
                              DpexWireError, DpexWorkerError)

@@ -211,7 +211,7 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
                               "number of consumers; take the checkpoint between epochs")
     spec = dpb.SamplerSpec.FromString(unblob(planned[0]["sampler"])) if planned[0]["sampler"] is not None else None
     args = dict(sources=sources, world=world, rank=rank, batch_size=batch_size, drop_last=drop_last,
-                sampler_drop_last=bool(spec is not None and spec.kind == spec.DISTRIBUTED
+                sampler_drop_last=bool(spec is not None and spec.kind in (spec.DISTRIBUTED, spec.SHUFFLE)
                                        and spec.sampler_drop_last))
     base = sources[rank % len(sources)] or planned[0]
     batches = [dpb.IndexBatch(indices=b) for b in reshard(**args)]

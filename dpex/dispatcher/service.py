@@ -291,6 +291,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         plan_file, sampler = "", None
         if request.HasField("sampler"):
             sampler = request.sampler
+            samplers.validate(sampler)
             num_batches = samplers.num_batches(sampler)
             digest = PlanHash(request.base_seed, 0, sampler).digest()
         elif request.num_streams:

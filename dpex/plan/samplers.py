@@ -1,5 +1,6 @@
-"""torch's own samplers as descriptions, and their index batches computed
-from a description, bit-identical to what torch's samplers yield.
+"""torch's own samplers (and dpex.ShuffleSampler) as descriptions, and their
+index batches computed from a description, bit-identical to what the
+samplers yield.
 
 The trainer runs :func:`describe` where torch would run the sampler: it
 consumes the random numbers torch would consume (RandomSampler draws a seed
@@ -15,13 +16,13 @@ description does not pay for it.
 """
 from __future__ import annotations
 
-import math
 import threading
 import zlib
 from collections import OrderedDict
 from typing import Any
 
 from dpex.errors import DpexConfigError
+from dpex.plan import shuffle
 from dpex.proto import dispatcher_pb2 as dpb
 
 Spec = dpb.SamplerSpec
@@ -36,7 +37,14 @@ def torch_version() -> str:
 
 
 def check_version(spec: Spec) -> None:
-    """Refuses a description made by another torch release: its samplers may differ."""
+    """Refuses a description made by another torch release (its samplers may
+    differ), or a ShuffleSampler's made with another order than this one's."""
+    if spec.kind == Spec.SHUFFLE:
+        if spec.algorithm != shuffle.ALGORITHM:
+            raise DpexConfigError(
+                f"the trainer described this epoch's ShuffleSampler with the order {spec.algorithm!r}, but this "
+                f"worker computes {shuffle.ALGORITHM!r}; install the same dpex release on trainers and workers")
+        return
     mine = torch_version()
     if spec.torch_version != mine:
         raise DpexConfigError(
@@ -56,6 +64,11 @@ def describe(loader: Any) -> Spec | None:
     if type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
         return None
     kind = type(sampler)
+    if kind is shuffle.ShuffleSampler:  # the seed its iter() would take (or draw)
+        return Spec(kind=Spec.SHUFFLE, algorithm=shuffle.ALGORITHM, length=sampler.length,
+                    batch_size=batch_sampler.batch_size, drop_last=batch_sampler.drop_last,
+                    seed=sampler.epoch_seed(), num_replicas=sampler.num_replicas, rank=sampler.rank,
+                    sampler_drop_last=sampler.drop_last)
     if kind not in (tud.SequentialSampler, tud.RandomSampler, tud.DistributedSampler):
         return None
     if kind is tud.RandomSampler and sampler.generator is not None and sampler.generator.device.type != "cpu":
@@ -88,12 +101,19 @@ def num_samples(spec: Spec) -> int:
     """len(sampler)."""
     if spec.kind == Spec.RANDOM:
         return spec.num_samples
-    if spec.kind == Spec.DISTRIBUTED:
-        n, replicas = spec.length, spec.num_replicas
-        if spec.sampler_drop_last and n % replicas:
-            return math.ceil((n - replicas) / replicas)
-        return math.ceil(n / replicas)
+    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE):
+        return shuffle.num_samples(spec.length, spec.num_replicas, spec.sampler_drop_last)
     return spec.length
+
+
+def validate(spec: Spec) -> None:
+    """Refuses a description no sampler makes (a bad client's)."""
+    if spec.kind not in Spec.Kind.values():
+        raise DpexConfigError(f"a plan describes a sampler of unknown kind {spec.kind}")
+    if spec.batch_size < 1:
+        raise DpexConfigError(f"a plan describes batches of {spec.batch_size} samples")
+    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE) and not spec.rank < spec.num_replicas:
+        raise DpexConfigError(f"a plan describes rank {spec.rank} of {spec.num_replicas} replicas")
 
 
 def num_batches(spec: Spec) -> int:
@@ -123,6 +143,8 @@ def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
         flat = list(range(start, stop))
     elif spec.kind == Spec.RANDOM:
         flat = _order(spec)[start:stop].tolist()
+    elif spec.kind == Spec.SHUFFLE:
+        flat = shuffle.indices(spec.length, spec.seed, spec.num_replicas, spec.rank, start, stop).tolist()
     else:
         flat = _distributed(spec, start, stop)
     return [flat[i:i + size] for i in range(0, len(flat), size)]

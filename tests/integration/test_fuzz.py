@@ -89,6 +89,21 @@ def test_unknown_ids_get_a_clear_status(target, job, worker, consumer, epoch, se
             TRIED["unknown ids"] += 1
 
 
+@pytest.mark.parametrize("sampler", [dict(kind=9, batch_size=4), dict(kind=dpb.SamplerSpec.SHUFFLE, batch_size=0),
+                                     dict(kind=dpb.SamplerSpec.DISTRIBUTED, batch_size=4, num_replicas=2, rank=5),
+                                     dict(kind=dpb.SamplerSpec.SHUFFLE, batch_size=4, length=10)])
+def test_a_sampler_description_no_sampler_makes_is_refused(target, sampler):
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
+    with dpex.RemoteDataLoader(target.address, spec, batch_size=4, timeout=30) as dl, \
+            grpc.insecure_channel(target.address) as ch:
+        request = dpb.SubmitPlanRequest(job_id=dl.job_id, consumer_index=0, epoch=7,
+                                        sampler=dpb.SamplerSpec(**sampler))
+        with pytest.raises(grpc.RpcError) as info:
+            dgrpc.DispatcherStub(ch).SubmitPlan(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "describes" in info.value.details()
+
+
 def test_the_daemons_still_serve_a_good_client(target):
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
     with dpex.RemoteDataLoader(target.address, spec, batch_size=4, shuffle=True, seed=1, timeout=30) as dl:

@@ -11,6 +11,7 @@ import dpex
 from dpex.client.options import Indices
 from dpex.dispatcher.journal import FILE_NAME, read_records
 from dpex.plan import samplers
+from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import test_cluster
 
 
@@ -80,3 +81,25 @@ def test_a_worker_with_another_torch_release_refuses_the_description(monkeypatch
             with pytest.raises(dpex.DpexWorkerError, match=r"torch 2\.99\.0.*worker has torch "
                                                            + real.replace(".", r"\.")):
                 next(iter(dl))
+
+
+def test_a_shuffle_sampler_travels_as_a_description_and_gives_torchs_batches_at_any_size(tmp_path):
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=1000)
+    with test_cluster(num_workers=2, work_dir=str(tmp_path), dispatcher_flags=("--journal-compact-kb", "0")) as c:
+        sampler = dpex.ShuffleSampler(1000, seed=4)
+        reference = tud.DataLoader(Indices(1000), batch_size=32, sampler=dpex.ShuffleSampler(1000, seed=4))
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=32, sampler=sampler, timeout=60) as dl:
+            for epoch in range(2):
+                dl.set_epoch(epoch)
+                reference.sampler.set_epoch(epoch)
+                assert [b["y"].tolist() for b in dl] == [b.tolist() for b in reference]
+        plans = plans_in_journal(str(tmp_path))
+        assert [p.sampler.kind for p in plans] == [dpb.SamplerSpec.SHUFFLE] * 2
+        assert all(len(p.SerializeToString()) < 100 for p in plans)
+        # a billion samples: the first batch without drawing the rest, on the worker and in torch alike
+        billion = dpex.DatasetSpec("dpex.client.options:Indices", 10**9)
+        with dpex.RemoteDataLoader(c.address, billion, batch_size=1024, sampler=dpex.ShuffleSampler(10**9, seed=1),
+                                   timeout=60) as dl:
+            torch_first = next(iter(tud.DataLoader(Indices(10**9), batch_size=1024,
+                                                   sampler=dpex.ShuffleSampler(10**9, seed=1))))
+            assert torch.equal(next(iter(dl)), torch_first)
