@@ -20,13 +20,16 @@
   registering the workers, submitting the plans), calls per second, the
   p50/p99 of heartbeats asking for a split (there are always some to take,
   so they come back at once) from a probe process of their own (beside it,
-  a health check's p99: the transport alone), how long idle heartbeats
-  poll, and its RSS. With 2+ cores the dispatcher gets one core to itself.
+  a health check's p99: the transport alone) once the fleet is set up and
+  every worker has made its first poll (and their p99 before: the fleet
+  connecting and registering at once), how long idle heartbeats poll, and
+  its RSS. With 2+ cores the dispatcher gets one core to itself.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -131,7 +134,7 @@ def rss_mb(pid: int) -> float:
 
 
 async def _load(address: str, workers: int, consumers: int, samples: int, seconds: float,
-                interval: float) -> tuple[list, int]:
+                interval: float) -> tuple[list, int, float]:
     ch = grpc.aio.insecure_channel(address)
     stub = dgrpc.DispatcherStub(ch)
     job = await stub.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
@@ -144,6 +147,7 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
                                                     sampler=sampler))
     ids = [(await stub.RegisterWorker(dpb.RegisterWorkerRequest(address=f"10.0.{i // 250}.{i % 250}:1")))
            .worker_id for i in range(workers)]
+    steady = time.monotonic() + interval  # set up; every worker's first poll (spread over an interval) done
     end = time.monotonic() + seconds
     idle: list[float] = []  # heartbeats that came back with nothing: how long they polled
     heartbeats = 0
@@ -182,30 +186,30 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
 
     await asyncio.gather(*(worker(w) for w in ids), *(consumer(k) for k in range(consumers)))
     await ch.close()
-    return idle, heartbeats
+    return idle, heartbeats, steady
 
 
 def probe(address: str, seconds: float) -> None:
     """A worker of its own process asking for a split every 20 ms (there are
     always some to take, so each heartbeat should come back at once), and a
-    health check beside it; prints the p50/p99 of both, in ms."""
+    health check beside it; prints (when, heartbeat s, health s) of each."""
     ch = grpc.insecure_channel(address)
     stub = dgrpc.DispatcherStub(ch)
     health = health_pb2_grpc.HealthStub(ch)
     worker_id = stub.RegisterWorker(dpb.RegisterWorkerRequest(address="10.255.0.1:1")).worker_id
-    beats, checks, held = [], [], []
+    samples, held = [], []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         started = time.perf_counter()
         health.Check(health_pb2.HealthCheckRequest())
-        checks.append(time.perf_counter() - started)
+        check = time.perf_counter() - started
         started = time.perf_counter()
         r = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id, want_splits=1,
                                                             held_split_ids=held))
-        beats.append(time.perf_counter() - started)
+        samples.append((time.monotonic(), time.perf_counter() - started, check))
         held = [s for s in held if s not in set(r.release_split_ids)] + [s.split_id for s in r.splits]
         time.sleep(0.02)
-    print(statistics.median(beats) * 1000, p99_ms(beats), statistics.median(checks) * 1000, p99_ms(checks))
+    print(json.dumps(samples))
 
 
 def p99_ms(values: list[float]) -> float:
@@ -219,8 +223,10 @@ def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None
           f"connection each), {consumers} consumers syncing, a {samples:,}-sample job ({seconds:.0f} s each)")
     if len(cores) > 1:
         print(f"(the dispatcher on core {cores[0]}, the load generator and the probe on the other cores)")
+    print("(heartbeat and health latencies once the fleet is set up and every worker's first poll is done; "
+          "'setup p99': the heartbeats before, while 1,000 workers connect and register at once)")
     print(f"{'workers':>8} {'CPU % core':>11} {'hb/s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} "
-          f"{'health p99':>11} {'idle poll s':>12} {'RSS MB':>7}")
+          f"{'health p99':>11} {'setup p99':>10} {'idle poll s':>12} {'RSS MB':>7}")
     for workers in fleet:
         with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=30,
                           consumer_timeout_s=30, split_size_batches=4) as c:
@@ -232,14 +238,19 @@ def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None
             prober = subprocess.Popen([sys.executable, __file__, "--probe", c.address, str(seconds - 2)],
                                       stdout=subprocess.PIPE, text=True)
             try:
-                idle, heartbeats = asyncio.run(_load(c.address, workers, consumers, samples, seconds, interval))
+                idle, heartbeats, steady = asyncio.run(_load(c.address, workers, consumers, samples, seconds,
+                                                             interval))
                 busy = (cpu_seconds(pid) - before) / (time.monotonic() - t0)
-                hb50, hb99, _, health99 = map(float, prober.communicate(timeout=60)[0].split())
+                probed = json.loads(prober.communicate(timeout=60)[0])
             finally:
                 prober.kill()
                 os.sched_setaffinity(0, cores)
-            print(f"{workers:>8} {100 * busy:>11.1f} {heartbeats / seconds:>8.0f} {hb50:>10.1f} {hb99:>10.1f} "
-                  f"{health99:>11.1f} {statistics.median(idle) if idle else float('nan'):>12.2f} "
+            beats = [b for when, b, _ in probed if when >= steady]
+            checks = [h for when, _, h in probed if when >= steady]
+            setup = [b for when, b, _ in probed if when < steady]
+            print(f"{workers:>8} {100 * busy:>11.1f} {heartbeats / seconds:>8.0f} "
+                  f"{statistics.median(beats) * 1000:>10.1f} {p99_ms(beats):>10.1f} {p99_ms(checks):>11.1f} "
+                  f"{p99_ms(setup):>10.1f} {statistics.median(idle) if idle else float('nan'):>12.2f} "
                   f"{rss_mb(pid):>7.1f}")
 
 

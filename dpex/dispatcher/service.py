@@ -185,16 +185,19 @@ class DispatcherService(dgrpc.DispatcherServicer):
     async def WorkerHeartbeat(self, request, context):
         # A coroutine on the server's loop: a fleet's long polls hold no thread.
         # The lock is held between awaits only, never across one.
-        # Jittered: a fleet that started (or reconnected) at once spreads out
-        # instead of polling in bursts of every worker at each interval.
-        deadline = time.monotonic() + self._config.heartbeat_interval_s * random.uniform(0.8, 1.0)
         held = set(request.held_split_ids)
         saturated = frozenset((c.job_id, c.consumer_index) for c in request.saturated)
         with self._lock:
             worker = self._state.workers.get(request.worker_id)
             if worker is None or not worker.alive:
                 raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
+            first = worker.worker_id not in self._seen.loads  # since it registered, or since we started
             self._seen.worker(worker.worker_id, request.load)
+        # Jittered, so that a fleet that started (or reconnected) at once spreads
+        # out instead of polling in bursts of every worker at each interval: a
+        # worker's first poll over the whole interval, later ones over its last fifth.
+        jitter = random.uniform(0.05, 1.0) if first else random.uniform(0.8, 1.0)
+        deadline = time.monotonic() + self._config.heartbeat_interval_s * jitter
         # Long-poll: answer as soon as there is work, so a plan starts within
         # milliseconds, or splits to drop (a trainer left its epoch: the worker
         # frees what it holds for it now). Every split assigned to the worker

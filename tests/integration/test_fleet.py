@@ -1,5 +1,6 @@
 """A fleet's long polls on a real dispatcher process: thousands held at once
-without a thread each, spread by jitter, and a hungry worker woken by a new
+without a thread each, spread by jitter (a fleet started at once over the
+whole interval), and a hungry worker woken by a new
 plan at once; a request that does not parse gets INVALID_ARGUMENT."""
 import asyncio
 import time
@@ -12,7 +13,7 @@ from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.testing import test_cluster
 
 POLLS = 3000       # more than the 2,000 a threaded server had room for
-INTERVAL_S = 3.0   # each poll is held 0.8..1.0 of it
+INTERVAL_S = 3.0   # each poll is held 0.8..1.0 of it (a worker's first: 0.05..1.0)
 
 
 def threads(pid: int) -> int:
@@ -20,7 +21,7 @@ def threads(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
-async def _fleet(address: str, pid: int) -> tuple[list[float], int, float]:
+async def _fleet(address: str, pid: int) -> tuple[list[float], list[float], int, float]:
     # Connections of their own (HTTP/2 limits the streams of one).
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(POLLS // 100)]
@@ -35,6 +36,8 @@ async def _fleet(address: str, pid: int) -> tuple[list[float], int, float]:
         assert not r.splits and not r.release_split_ids
         return time.monotonic() - started
 
+    # They all registered at once: their first polls spread over the whole interval.
+    first = await asyncio.gather(*(idle(k, w) for k, w in enumerate(ids)))
     polls = [asyncio.ensure_future(idle(k, w)) for k, w in enumerate(ids)]
     await asyncio.sleep(0)
     # While every poll is held: the dispatcher's threads are as few as with none.
@@ -58,14 +61,15 @@ async def _fleet(address: str, pid: int) -> tuple[list[float], int, float]:
     woken = time.monotonic() - submitted
     for ch in channels:
         await ch.close()
-    return took, busiest, woken
+    return first, took, busiest, woken
 
 
 def test_thousands_of_long_polls_are_held_without_a_thread_each():
     with test_cluster(num_workers=0, heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=60) as c:
         pid = c.dispatcher.process.pid
         at_rest = threads(pid)
-        took, busiest, woken = asyncio.run(_fleet(c.address, pid))
+        first, took, busiest, woken = asyncio.run(_fleet(c.address, pid))
+        assert min(first) < 0.25 * INTERVAL_S and max(first) > 0.75 * INTERVAL_S
         assert len(took) == POLLS
         # Held, not answered at once for want of room; answered by the interval.
         assert min(took) >= 0.75 * INTERVAL_S, min(took)
