@@ -213,7 +213,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 remaining = deadline - time.monotonic()
                 if (worker.held - held or release or remaining <= 0 or not worker.alive
                         or self._stop.is_set() or self._waiters.full):
-                    response = dpb.WorkerHeartbeatResponse(release_split_ids=release)
+                    pause = remaining > 0 and (self._waiters.full or self._stop.is_set())  # no room, or closing
+                    response = dpb.WorkerHeartbeatResponse(release_split_ids=release, pause=pause)
                     for split_id in sorted(worker.held - held):
                         self._describe(self._state.splits[split_id], response.splits.add())
                     self._seen.worker(worker.worker_id)

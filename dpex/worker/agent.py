@@ -112,9 +112,9 @@ class DispatcherAgent:
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
                                      track=functools.partial(self._track_poll, (want, saturated)))
                 self._track_poll((want, saturated), None)
-                if not response.splits and not response.release_split_ids:
-                    # Nothing, and at once: the dispatcher holds no more polls (a
-                    # large fleet); pause the rest of the interval (until room frees).
+                if response.pause and not response.splits and not response.release_split_ids:
+                    # The dispatcher holds no more polls (a huge fleet), or is
+                    # stopping: pause the rest of the interval (until room frees here).
                     self._nudge.wait(interval - (time.monotonic() - started))
                 self._scheduler.release(response.release_split_ids)
                 for split in response.splits:
