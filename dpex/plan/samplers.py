@@ -64,7 +64,8 @@ def describe(loader: Any) -> Spec | None:
     if type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
         return None
     kind = type(sampler)
-    if kind is shuffle.ShuffleSampler:  # the seed its iter() would take (or draw)
+    if kind is shuffle.ShuffleSampler:  # the seed its iter() would take (or draw). No torch_version:
+        # a worker of a release without SHUFFLE then refuses it rather than reading another kind.
         return Spec(kind=Spec.SHUFFLE, algorithm=shuffle.ALGORITHM, length=sampler.length,
                     batch_size=batch_sampler.batch_size, drop_last=batch_sampler.drop_last,
                     seed=sampler.epoch_seed(), num_replicas=sampler.num_replicas, rank=sampler.rank,

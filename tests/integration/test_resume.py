@@ -66,6 +66,7 @@ CASES = {
     "global RNG": dict(shuffle=True),
     "unordered": dict(shuffle=True, seed=7, ordered=False),
     "custom sampler": dict(sampler=EveryThird()),
+    "ShuffleSampler": dict(sampler=dpex.ShuffleSampler(N)),  # a seed from the global RNG per epoch
     "sampler with a state_dict": dict(sampler=Rotating()),
     "explicit plans": dict(shuffle=True, seed=7, compact_plans=False),
     "worker seeds": dict(dataset=PROBE, shuffle=True, seed=7, worker_init_fn=datasets.record_worker_init),
