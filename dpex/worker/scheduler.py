@@ -220,8 +220,8 @@ class Scheduler:
             if not split.HasField("sampler"):
                 self._planned(entry, [list(b.indices) for b in split.batches])
                 return
-        if not samplers.draws_order(split.sampler):  # a few operations per index: at once
-            self._plan(entry)
+        if not samplers.draws_order(split.sampler):  # a few operations per index (and, the first
+            self._planner.submit(self._plan, entry)  # time, torch's import: not on this heartbeat thread)
             return
         key = samplers.order_key(split.sampler)
         with self._cond:  # one planner thread per order: the others stay free for other jobs
