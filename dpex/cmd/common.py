@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
+import time
 from typing import Any
 
 import click
@@ -31,9 +31,12 @@ def log_options(fn):
 
 def serve_until_signalled(server: Any, ready_file: str | None) -> None:
     """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server."""
-    stop = threading.Event()
+    # A plain list, not an Event: a handler may run inside another (a burst of
+    # SIGTERMs, e.g. a parent-death signal and a supervisor's), and Event.set()
+    # in both would wait for a lock the outer one holds, forever.
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: signalled.append(signum))
     if ready_file:
         tmp = f"{ready_file}.tmp"
         metrics = getattr(server, "metrics", None)
@@ -42,8 +45,8 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
         os.replace(tmp, ready_file)
     # Short waits, not one long one: the kernel may deliver the signal to a
     # gRPC thread, and Python runs handlers only when the main thread runs.
-    while not stop.wait(0.2):
-        pass
+    while not signalled:
+        time.sleep(0.2)
     logging.getLogger("dpex").info("shutting down")
     server.close()
 

@@ -125,3 +125,20 @@ def test_status_tells_epochs_drained_workers_and_live_jobs():
         assert (jobs["running"]["STATE"], jobs["running"]["CONSUMERS"]) == ("running", "1 active / 1")
         del it
         running.close(), idle.close()
+
+
+def test_a_burst_of_sigterms_stops_a_daemon(tmp_path):
+    # Ray's actor dying sends the parent-death SIGTERM while ray.kill and a
+    # supervisor send theirs: a handler run inside another must not deadlock.
+    for attempt in range(5):
+        ready = tmp_path / f"ready-{attempt}"
+        proc = subprocess.Popen([os.path.join(BIN, "dpex-dispatcher"), "--port", "0", "--host", "127.0.0.1",
+                                 "--ready-file", str(ready)], stderr=subprocess.DEVNULL)
+        try:
+            wait_until(ready.exists, 30, "the dispatcher to serve")
+            for _ in range(2000):
+                os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
