@@ -53,7 +53,7 @@ from dpex.proto import dispatcher_pb2_grpc as dgrpc  # noqa: E402
 from dpex.testing import test_cluster  # noqa: E402
 
 
-def _sampler(kind: str, n: int) -> tud.Sampler | None:
+def _sampler(kind: str, n: int) -> dpex.ShuffleSampler | None:
     return dpex.ShuffleSampler(n, seed=0) if kind == "ShuffleSampler" else None  # None: shuffle=True
 
 

@@ -156,11 +156,10 @@ def _distributed(spec: Spec, start: int, stop: int) -> list[int]:
     # order[i % n], and takes every num_replicas-th from rank: its j-th index
     # is order[(rank + j * num_replicas) % n].
     import torch
-    n = spec.length
-    positions = (torch.arange(start, stop, dtype=torch.int64) * spec.num_replicas + spec.rank) % n
+    where = shuffle.positions(spec.length, spec.num_replicas, spec.rank, start, stop)
     if not spec.shuffle:
-        return positions.tolist()
-    return _order(spec)[positions].tolist()
+        return where.tolist()
+    return _order(spec)[torch.from_numpy(where)].tolist()
 
 
 _cache: OrderedDict[bytes, Any] = OrderedDict()

@@ -84,12 +84,17 @@ def num_samples(length: int, num_replicas: int, drop_last: bool) -> int:
     return -(-length // num_replicas)
 
 
+def positions(length: int, num_replicas: int, rank: int, start: int, stop: int) -> np.ndarray:
+    """Where a rank's samples ``start`` .. ``stop - 1`` sit in the epoch's
+    order, as DistributedSampler takes its share: its j-th is at ``rank + j *
+    num_replicas``, wrapping around (padding) past the end."""
+    return (np.arange(start, stop, dtype=np.int64) * num_replicas + rank) % max(length, 1)
+
+
 def indices(length: int, seed: int, num_replicas: int, rank: int, start: int, stop: int) -> np.ndarray:
-    """A rank's samples ``start`` .. ``stop - 1`` of the epoch: its j-th is the
-    index at position ``rank + j * num_replicas`` of the order, wrapping
-    around (padding) past the end, as DistributedSampler takes its share."""
-    positions = (np.arange(start, stop, dtype=np.int64) * num_replicas + rank) % max(length, 1)
-    return Permutation(length, seed)(positions)
+    """A rank's samples ``start`` .. ``stop - 1`` of the epoch: the indices at
+    their :func:`positions` in the seed's order."""
+    return Permutation(length, seed)(positions(length, num_replicas, rank, start, stop))
 
 
 class ShuffleSampler:

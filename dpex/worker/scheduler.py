@@ -267,7 +267,8 @@ class Scheduler:
                 log.error("cannot compute a split's indices: %s", error,
                           extra=fields(job_id=split.job_id, split_id=split.split_id))
             entry.batches, entry.error = batches, error
-            queue = self._queue((split.job_id, split.consumer_index))
+            consumer = (split.job_id, split.consumer_index)
+            queue = self._queue(consumer)
             delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
             for key in split_keys(split):
                 if key.seq in delivered and key not in self._waiters:
@@ -275,9 +276,9 @@ class Scheduler:
                 entry.unproduced.add(key)
                 queue.add(key, urgent=key in self._waiters)
             self._cond.notify_all()
-            if split.consumer_index is not None and (split.job_id, split.consumer_index) in self._saturated:
-                self._saturated.discard((split.job_id, split.consumer_index))
-                self.on_capacity()  # it was reported waiting for its draw: it may take splits again
+            if consumer in self._saturated:  # reported waiting for its draw: it may take splits again
+                self._saturated.discard(consumer)
+                self.on_capacity()
 
     def release(self, split_ids) -> None:
         runners = []
