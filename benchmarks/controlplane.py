@@ -23,7 +23,9 @@
   a health check's p99: the transport alone) once the fleet is set up and
   every worker has made its first poll (and their p99 before: the fleet
   connecting and registering at once), how long idle heartbeats poll, and
-  its RSS. With 2+ cores the dispatcher gets one core to itself.
+  its RSS. With 2+ cores the dispatcher gets one core to itself. The
+  1,000-worker fleet again with a --work-dir ("durable"): every assignment
+  and delivery journaled, answers held until they are on disk.
 """
 from __future__ import annotations
 
@@ -216,7 +218,7 @@ def p99_ms(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] * 1000 if len(values) > 1 else float("nan")
 
 
-def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None:
+def load(fleet: list[int], consumers: int, samples: int, seconds: float, durable: list[int] = ()) -> None:
     interval = DispatcherConfig.heartbeat_interval_s
     cores = sorted(os.sched_getaffinity(0))
     print(f"\n## dispatcher under load: fake workers heartbeating (default {interval:g} s long poll, a "
@@ -225,11 +227,12 @@ def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None
         print(f"(the dispatcher on core {cores[0]}, the load generator and the probe on the other cores)")
     print("(heartbeat and health latencies once the fleet is set up and every worker's first poll is done; "
           "'setup p99': the heartbeats before, while 1,000 workers connect and register at once)")
-    print(f"{'workers':>8} {'CPU % core':>11} {'hb/s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} "
+    print(f"{'workers':>16} {'CPU % core':>11} {'hb/s':>8} {'hb p50 ms':>10} {'hb p99 ms':>10} "
           f"{'health p99':>11} {'setup p99':>10} {'idle poll s':>12} {'RSS MB':>7}")
-    for workers in fleet:
-        with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=30,
-                          consumer_timeout_s=30, split_size_batches=4) as c:
+    for workers, journaled in [(w, False) for w in fleet] + [(w, True) for w in durable]:
+        with tempfile.TemporaryDirectory() as work_dir, test_cluster(
+                num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=30, consumer_timeout_s=30,
+                split_size_batches=4, work_dir=work_dir if journaled else None) as c:
             pid = c.dispatcher.process.pid
             if len(cores) > 1:
                 os.sched_setaffinity(pid, cores[:1])
@@ -248,7 +251,7 @@ def load(fleet: list[int], consumers: int, samples: int, seconds: float) -> None
             beats = [b for when, b, _ in probed if when >= steady]
             checks = [h for when, _, h in probed if when >= steady]
             setup = [b for when, b, _ in probed if when < steady]
-            print(f"{workers:>8} {100 * busy:>11.1f} {heartbeats / seconds:>8.0f} "
+            print(f"{workers:>8}{' durable' if journaled else '':>8} {100 * busy:>11.1f} {heartbeats / seconds:>8.0f} "
                   f"{statistics.median(beats) * 1000:>10.1f} {p99_ms(beats):>10.1f} {p99_ms(checks):>11.1f} "
                   f"{p99_ms(setup):>10.1f} {statistics.median(idle) if idle else float('nan'):>12.2f} "
                   f"{rss_mb(pid):>7.1f}")
@@ -266,7 +269,8 @@ def main() -> None:
     print(f"# control plane, {os.cpu_count()} cores, torch {torch.__version__}")
     plans([10**4, 10**6] if args.quick else [10**4, 10**6, 10**8, 10**9], args.huge)
     history([10, 100] if args.quick else [10, 100, 1000])
-    load([10, 100] if args.quick else [10, 100, 1000], 256, 10**8, 10 if args.quick else 30)
+    load([10, 100] if args.quick else [10, 100, 1000], 256, 10**8, 10 if args.quick else 30,
+         [100] if args.quick else [1000])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The dispatcher's journal: an append-only file of Update records (the log
 that follows a snapshot, dpex.dispatcher.store).
 
-Each record is ``u32 length | u32 crc32 | serialized dpex.v1.Update``, written
-and fsync'd before the update takes effect. On start the records are
+Each record is ``u32 length | u32 crc32 | serialized dpex.v1.Update``,
+written (to the OS: a killed process loses none) before the update takes
+effect; :meth:`Journal.sync` makes what was written durable (the store
+fsyncs in groups, dpex.dispatcher.store). On start the records are
 replayed in order; a torn or corrupt tail (a crash during a write) ends the
 replay and is cut off, so that new records follow the last good one.
 """
@@ -78,10 +80,14 @@ class Journal:
         yield from updates
 
     def append(self, update: jpb.Update) -> None:
+        """Writes ``update`` to the OS; durable once :meth:`sync` returns after it."""
         payload = update.SerializeToString()
         self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
         self.size += _HEADER.size + len(payload)
         self._file.flush()
+
+    def sync(self) -> None:
+        """Makes every record appended so far durable (from any thread)."""
         os.fsync(self._file.fileno())
 
     def close(self) -> None:

@@ -2,7 +2,9 @@
 and applies them to the state under one lock. No data plane work here."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import logging
 import os
 import random
@@ -35,6 +37,30 @@ log = logging.getLogger("dpex.dispatcher")
 # JobDef fields by the loader argument that sets them.
 _ARGUMENT = {"collate": "collate_fn"}
 _CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
+
+
+def answered_durably(method):
+    """Answers (or fails) only once every update applied before is durable:
+    the group commit of dpex.dispatcher.store. No answer reveals a state that
+    a crash could take back."""
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def coroutine(self, request, context):
+            try:
+                return await method(self, request, context)
+            finally:
+                if self._store is not None:
+                    await self._store.settled(self._store.appended)
+        return coroutine
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        finally:
+            if self._store is not None:
+                self._store.settle(self._store.appended)
+    return wrapper
 
 
 def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) -> list[str]:
@@ -92,7 +118,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         """Journals one update, then applies it; the caller holds self._lock."""
         update = jpb.Update(**kind)
         if self._store is not None:
-            self._store.append(update)  # durable before it takes effect
+            self._store.append(update)  # written before it takes effect; durable before any answer
         result = self._state.apply(update)
         changes = self._state.take_changes()
         if self._store is not None and self._store.due(changes.plans_ended > 0):
@@ -170,6 +196,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     # ---- workers ----------------------------------------------------------
     @servicer_method
+    @answered_durably
     def RegisterWorker(self, request, context):
         if not request.address or ":" not in request.address:
             raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
@@ -182,6 +209,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
     @servicer_method
+    @answered_durably
     async def WorkerHeartbeat(self, request, context):
         # A coroutine on the server's loop: a fleet's long polls hold no thread.
         # The lock is held between awaits only, never across one.
@@ -223,6 +251,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             await self._wait(poll, remaining)
 
     @servicer_method
+    @answered_durably
     def DeregisterWorker(self, request, context):
         with self._lock:
             worker = self._state.workers.get(request.worker_id)
@@ -236,6 +265,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
 
     # ---- jobs and plans -----------------------------------------------------
     @servicer_method
+    @answered_durably
     def GetOrCreateJob(self, request, context):
         if not (self._config.auth_token or self._config.allow_unauthenticated
                 or is_loopback_peer(context.peer())):
@@ -282,11 +312,13 @@ class DispatcherService(dgrpc.DispatcherServicer):
         return job
 
     @servicer_method
+    @answered_durably
     def GetJob(self, request, context):
         with self._lock:
             return dpb.GetJobResponse(job=self._job(request.job_id).definition)
 
     @servicer_method
+    @answered_durably
     def SubmitPlan(self, request, context):
         if sum(map(bool, (request.num_streams, request.batches or request.upload_id,
                           request.HasField("sampler")))) > 1:
@@ -344,6 +376,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     @servicer_method
+    @answered_durably
     async def SyncConsumer(self, request, context):
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0) * random.uniform(0.8, 1.0)  # jittered
         with self._lock:
@@ -385,6 +418,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
             await self._wait(poll, remaining)
 
     @servicer_method
+    @answered_durably
     def ReleaseConsumer(self, request, context):
         with self._lock:
             closed = not request.HasField("epoch")  # no epoch: the loader is closing
@@ -402,6 +436,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         return dpb.ReleaseConsumerResponse()
 
     @servicer_method
+    @answered_durably
     def GetStatus(self, request, context):
         return self.status()
 

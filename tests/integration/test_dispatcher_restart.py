@@ -58,3 +58,55 @@ def test_kill_at_random_points_with_snapshots_every_few_records_loses_nothing(tm
         files = sorted(os.listdir(tmp_path))
         assert "snapshot" in files and len([f for f in files if f.endswith(".log")]) == 1, files
         assert sum(os.path.getsize(os.path.join(tmp_path, f)) for f in files if f != "plans") < 16 << 10
+
+
+def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path):
+    """Group commit: updates are fsync'd in groups, and each call (a short one,
+    a heartbeat's long poll) is answered only once they are on disk."""
+    import threading
+
+    import grpc
+
+    from dpex.config import DispatcherConfig
+    from dpex.dispatcher.server import DispatcherServer
+    from dpex.plan import samplers
+    from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    from dpex.testing import wait_until
+
+    server = DispatcherServer(DispatcherConfig(host="127.0.0.1", port=0, work_dir=str(tmp_path),
+                                               heartbeat_interval_s=0.2))
+    store = server.service._store
+    gate = threading.Event()
+    real = store.journal.sync
+    store.journal.sync = lambda: (gate.wait(), real())
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = dgrpc.DispatcherStub(ch)
+            registered = stub.RegisterWorker.future(dpb.RegisterWorkerRequest(address="10.0.0.1:1"))
+            wait_until(lambda: store.appended == 1, what="the registration written")
+            assert not registered.done() and store.durable == 0
+            gate.set()
+            worker_id = registered.result(timeout=10).worker_id
+            assert store.durable >= 1
+            gate.clear()
+            job = stub.GetOrCreateJob.future(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
+                name="j", dataset=b"x", num_consumers=1, batch_size=2)))
+            wait_until(lambda: store.appended == 2, what="the job written")
+            assert not job.done()
+            gate.set()
+            job_id = job.result(timeout=10).job_id
+            gate.clear()
+            sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=16, batch_size=2,
+                                      kind=dpb.SamplerSpec.SEQUENTIAL)
+            plan = stub.SubmitPlan.future(dpb.SubmitPlanRequest(job_id=job_id, epoch=0, sampler=sampler))
+            beat = stub.WorkerHeartbeat.future(dpb.WorkerHeartbeatRequest(worker_id=worker_id, want_splits=2))
+            wait_until(lambda: store.appended == 4, what="the plan and the assignment written")
+            assert not plan.done() and not beat.done()  # the splits are chosen, but not durably yet
+            gate.set()
+            assert plan.result(timeout=10).num_batches == 8
+            assert len(beat.result(timeout=10).splits) == 2
+        assert store.syncs <= 4
+    finally:
+        gate.set()
+        server.close(0)

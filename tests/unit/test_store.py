@@ -1,12 +1,15 @@
 """Snapshot + log: a compaction keeps the state, bounds the disk, and survives a kill at any step."""
+import asyncio
 import os
 import random
+import threading
 
 import pytest
 
 from dpex.dispatcher import snapshot, store as store_mod
 from dpex.dispatcher.state import DispatcherState
 from dpex.dispatcher.store import Store
+from dpex.errors import DpexError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
@@ -91,6 +94,7 @@ def test_a_kill_at_any_step_of_a_compaction_loses_nothing(tmp_path, monkeypatch,
     for u in history(4):
         s.append(u)
         state.apply(u)
+    s.settle(s.appended)  # the store's own fsyncs done before fsync is made to fail
 
     class Killed(BaseException):
         pass
@@ -115,3 +119,52 @@ def test_a_kill_at_any_step_of_a_compaction_loses_nothing(tmp_path, monkeypatch,
     assert same(again.recover(), state)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".log")) == [store_mod.log_name(again.generation)]
     again.close()
+
+
+def test_appends_are_made_durable_in_groups_and_settle_waits_for_them(tmp_path, monkeypatch):
+    s = Store(str(tmp_path), 0)
+    state = s.recover()
+    gate, syncing = threading.Event(), threading.Event()
+    real = s.journal.sync
+
+    def slow_sync():
+        syncing.set()
+        gate.wait()
+        real()
+
+    monkeypatch.setattr(s.journal, "sync", slow_sync)
+    updates = list(history(3))
+    first = s.append(updates[0])
+    assert syncing.wait(10)  # the store's thread is in an fsync that covers the first record only
+    positions = [s.append(u) for u in updates[1:]]
+    settled = []
+    waiter = threading.Thread(target=lambda: (s.settle(positions[-1]), settled.append(True)))
+    waiter.start()
+    waiter.join(0.2)
+    assert not settled and s.durable < first  # nothing is durable while the fsync is held
+    gate.set()
+    waiter.join(10)
+    assert settled and s.durable == s.appended == len(updates)
+    assert s.syncs == 2  # the first record's fsync, then one for all the others
+    for u in updates:
+        state.apply(u)
+    s.close()
+    again = Store(str(tmp_path), 0)
+    assert same(again.recover(), state)
+    again.close()
+
+
+def test_a_failed_fsync_fails_every_wait_and_says_why(tmp_path, monkeypatch):
+    s = Store(str(tmp_path), 0)
+    s.recover()
+
+    def broken():
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(s.journal, "sync", broken)
+    position = s.append(next(history(1)))
+    with pytest.raises(DpexError, match="cannot make its journal .* durable .*Input/output error"):
+        s.settle(position)
+    with pytest.raises(DpexError, match="restarted"):
+        asyncio.run(s.settled(position))
+    s.close()
