@@ -164,9 +164,12 @@ class Store:
             ready = [(p, f) for p, f in self._waiting if p <= self.durable or self._error is not None]
             self._waiting = [(p, f) for p, f in self._waiting if p > self.durable and self._error is None]
             self._cond.notify_all()
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         for _, future in ready:
+            by_loop.setdefault(future.get_loop(), []).append(future)
+        for loop, futures in by_loop.items():  # one wake-up of each loop for the group
             try:
-                future.get_loop().call_soon_threadsafe(_resolve, future, self._error)
+                loop.call_soon_threadsafe(_resolve, futures, self._error)
             except RuntimeError:  # its loop is closed: nobody waits any more
                 pass
 
@@ -210,6 +213,7 @@ class Store:
         self.journal.close()
 
 
-def _resolve(future: asyncio.Future, error: DpexError | None) -> None:
-    if not future.done():  # (a call cancelled meanwhile)
-        future.set_exception(error) if error is not None else future.set_result(None)
+def _resolve(futures: list[asyncio.Future], error: DpexError | None) -> None:
+    for future in futures:
+        if not future.done():  # (a call cancelled meanwhile)
+            future.set_exception(error) if error is not None else future.set_result(None)
