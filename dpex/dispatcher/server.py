@@ -4,11 +4,23 @@ The server is ``grpc.aio`` on an event loop of its own thread: the two long
 polls (worker heartbeats, trainer syncs) are coroutines, so a fleet of
 workers polling costs futures, not a thread each; the short calls (register,
 submit a plan, ...) run in a small thread pool, as on a threaded server.
+
+grpc.aio's server takes new calls one at a time, one per turn of its event
+loop (its accept loop awaits each call before it asks for the next). When a
+fleet's calls come in bursts (the ranks of a DDP job finish their splits
+together, and every worker that held one asks for the next), new calls
+queued behind the burst's work: at 1,000 workers heartbeats took 40-75 ms
+at p99 while their handlers took under 15 ms. So the dispatcher runs
+``ACCEPTORS`` servers on one event loop and one port (SO_REUSEPORT; the
+kernel spreads connections among them), which take as many new calls a
+turn: 10-12 ms (benchmarks/RESULTS.md §15). The port is checked free first,
+so a second daemon on it fails instead of sharing it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from concurrent import futures
 from typing import Any, Coroutine
@@ -20,6 +32,7 @@ from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics
+from dpex.errors import DpexConfigError
 from dpex.rpc import add_async_health, add_servicer, listen, server_interceptors, server_options
 
 log = logging.getLogger("dpex.dispatcher")
@@ -33,6 +46,29 @@ FLEET_OPTIONS = [
     ("grpc.server.max_pending_requests", 20_000),
     ("grpc.server.max_pending_requests_hard_limit", 40_000),
 ]
+
+
+# Servers sharing the port (see above).
+ACCEPTORS = 4
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises DpexConfigError if something listens on ``host:port`` (the
+    servers bind it with SO_REUSEPORT, which would not fail on their own)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        return  # gRPC says what is wrong with the host
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections closing there are fine
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise DpexConfigError(f"cannot listen on {host}:{port}: {e.strerror} (another dispatcher "
+                                  "there?)") from None
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -56,8 +92,10 @@ class DispatcherServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="dpex-rpc-loop", daemon=True)
         self._thread.start()
         self.metrics = None
+        self._servers: list[grpc.aio.Server] = []
+        self._healths: list[Any] = []
         try:
-            self._server, self._health, self.port = self._run(self._start(config))
+            self.port = self._run(self._start(config))
             self.metrics = (MetricsServer(config.host, config.metrics_port,
                                           lambda: dispatcher_metrics(self.service.status()))
                             if config.metrics_port is not None else None)
@@ -73,16 +111,25 @@ class DispatcherServer:
                  + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated
                     else "accepted from loopback peers only"))
 
-    async def _start(self, config: DispatcherConfig) -> tuple[grpc.aio.Server, Any, int]:
-        server = grpc.aio.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dpex-rpc"),
-                                 options=server_options(config.max_message_bytes) + FLEET_OPTIONS,
-                                 interceptors=server_interceptors(config.auth_token, aio=True))
-        add_servicer(server, self.service, dpb.DESCRIPTOR.services_by_name["Dispatcher"])
-        health = await add_async_health(server, "dpex.v1.Dispatcher")
-        port = listen(server, f"{config.host}:{config.port}",
-                      server_credentials(config.tls_cert_file, config.tls_key_file))
-        await server.start()
-        return server, health, port
+    async def _start(self, config: DispatcherConfig) -> int:
+        """Starts the servers; the port they share."""
+        check_port_free(config.host, config.port)
+        pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dpex-rpc")  # the short calls
+        options = [o for o in server_options(config.max_message_bytes) if o[0] != "grpc.so_reuseport"]
+        port = config.port
+        for _ in range(ACCEPTORS):
+            server = grpc.aio.server(pool, options=options + FLEET_OPTIONS + [("grpc.so_reuseport", 1)],
+                                     interceptors=server_interceptors(config.auth_token, aio=True))
+            add_servicer(server, self.service, dpb.DESCRIPTOR.services_by_name["Dispatcher"])
+            self._healths.append(await add_async_health(server, "dpex.v1.Dispatcher"))
+            self._servers.append(server)
+            port = listen(server, f"{config.host}:{port}",  # 0: the first picks, the others join it
+                          server_credentials(config.tls_cert_file, config.tls_key_file))
+            await server.start()
+        return port
+
+    async def _stop(self, grace_s: float) -> None:
+        await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
 
     def _run(self, coroutine: Coroutine) -> Any:
         """Runs ``coroutine`` on the server's loop and returns its result."""
@@ -95,14 +142,13 @@ class DispatcherServer:
         if self._closed:
             return
         self._closed = True
-        server = getattr(self, "_server", None)
-        if server is not None:
-            self._run(self._health.enter_graceful_shutdown())  # probes see NOT_SERVING from here on
+        for health in self._healths:
+            self._run(health.enter_graceful_shutdown())  # probes see NOT_SERVING from here on
         if self.metrics is not None:
             self.metrics.close()
         self.service.close()  # wakes the long polls, which answer at once
-        if server is not None:
-            self._run(server.stop(grace_s))
+        if self._servers:
+            self._run(self._stop(grace_s))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -91,6 +91,18 @@ def test_dispatcher_reads_its_port_from_the_environment(tmp_path):
     assert "shutting down" in proc.stderr.read()
 
 
+def test_a_second_dispatcher_on_a_port_in_use_exits_with_a_clear_error(cluster):
+    # The dispatcher's servers share their port (SO_REUSEPORT): a second one
+    # must not quietly join them and take half the connections.
+    port = cluster.address.rsplit(":", 1)[1]
+    out = run("dpex-dispatcher", "--host", "127.0.0.1", "--port", port)
+    assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    out = run("dpex-dispatcher", "--host", "0.0.0.0", "--port", port)
+    assert out.returncode == 1 and "Address already in use (another dispatcher there?)" in out.stderr
+    out = run("dpex", "status", "--dispatcher", cluster.address)
+    assert out.returncode == 0 and "WORKERS (" in out.stdout  # the first one serves on
+
+
 def test_a_killed_worker_is_shown_as_lost():
     with test_cluster(num_workers=2) as c:
         victim = c.kill_worker(0)
