@@ -291,6 +291,9 @@ class BatchPool:
                 if process.is_alive():
                     process.terminate()
             self._executor.shutdown(wait=True, cancel_futures=True)
+            # Its queues and locks are named semaphores in /dev/shm, unlinked
+            # when collected: not kept alive by a closed pool still referenced.
+            self._executor = None  # type: ignore[assignment]
             handoff.remove_dir(self.handoff_dir)
 
 
