@@ -77,7 +77,9 @@ class Store:
         self.appended = 0  # records appended since recover()
         self.durable = 0   # of which durable (fsync'd, or covered by a snapshot)
         self.syncs = 0     # fsyncs of the log
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)    # appended (the sync thread waits on it)
+        self._synced = threading.Condition(self._lock)  # made durable (settle waits on it)
         self._io = threading.Lock()  # the log's file: its fsync vs a compaction replacing it
         self._waiting: list[tuple[int, asyncio.Future]] = []
         self._error: DpexError | None = None
@@ -114,14 +116,14 @@ class Store:
         self.journal.append(update)
         with self._cond:
             self.appended += 1
-            self._cond.notify_all()
+            self._cond.notify()
             return self.appended
 
     def settle(self, position: int) -> None:
         """Blocks until the updates up to ``position`` are durable."""
         with self._cond:
             while self.durable < position and self._error is None:
-                self._cond.wait()
+                self._synced.wait()
             if self.durable < position:
                 raise self._error  # type: ignore[misc]
 
@@ -163,7 +165,7 @@ class Store:
             self._error = self._error or error
             ready = [(p, f) for p, f in self._waiting if p <= self.durable or self._error is not None]
             self._waiting = [(p, f) for p, f in self._waiting if p > self.durable and self._error is None]
-            self._cond.notify_all()
+            self._synced.notify_all()
         by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         for _, future in ready:
             by_loop.setdefault(future.get_loop(), []).append(future)

@@ -108,6 +108,7 @@ def test_a_kill_at_any_step_of_a_compaction_loses_nothing(tmp_path, monkeypatch,
         m.setattr(*target, die)  # "write": the fsync of snapshot.tmp, the compaction's first
         with pytest.raises(Killed):
             s.compact(state)
+    s.close()  # its thread: what a kill ends (it wrote nothing since)
     recovered = Store(str(tmp_path), 0)
     assert same(recovered.recover(), state)
     tail = list(history(5))[-3:]  # and it takes more updates, durably
