@@ -114,7 +114,8 @@ class DispatcherServer:
     async def _start(self, config: DispatcherConfig) -> int:
         """Starts the servers; the port they share."""
         check_port_free(config.host, config.port)
-        pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dpex-rpc")  # the short calls
+        # The short calls' threads, shared by the servers.
+        self._pool = pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dpex-rpc")
         options = [o for o in server_options(config.max_message_bytes) if o[0] != "grpc.so_reuseport"]
         port = config.port
         for _ in range(ACCEPTORS):
@@ -149,6 +150,7 @@ class DispatcherServer:
         self.service.close()  # wakes the long polls, which answer at once
         if self._servers:
             self._run(self._stop(grace_s))
+            self._pool.shutdown(wait=False)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
