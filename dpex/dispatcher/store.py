@@ -121,7 +121,7 @@ class Store:
 
     def settle(self, position: int) -> None:
         """Blocks until the updates up to ``position`` are durable."""
-        with self._cond:
+        with self._lock:
             while self.durable < position and self._error is None:
                 self._synced.wait()
             if self.durable < position:
@@ -129,7 +129,7 @@ class Store:
 
     async def settled(self, position: int) -> None:
         """:meth:`settle` for a coroutine: waits without holding a thread."""
-        with self._cond:
+        with self._lock:
             if self.durable >= position:
                 return
             if self._error is not None:
@@ -160,15 +160,17 @@ class Store:
             self._durable(target)
 
     def _durable(self, position: int, error: DpexError | None = None) -> None:
-        with self._cond:
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}  # the futures to resolve
+        with self._lock:
             self.durable = max(self.durable, position)
             self._error = self._error or error
-            ready = [(p, f) for p, f in self._waiting if p <= self.durable or self._error is not None]
-            self._waiting = [(p, f) for p, f in self._waiting if p > self.durable and self._error is None]
+            waiting, self._waiting = self._waiting, []
+            for p, future in waiting:
+                if p <= self.durable or self._error is not None:
+                    by_loop.setdefault(future.get_loop(), []).append(future)
+                else:
+                    self._waiting.append((p, future))
             self._synced.notify_all()
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
-        for _, future in ready:
-            by_loop.setdefault(future.get_loop(), []).append(future)
         for loop, futures in by_loop.items():  # one wake-up of each loop for the group
             try:
                 loop.call_soon_threadsafe(_resolve, futures, self._error)
