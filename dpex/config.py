@@ -56,7 +56,7 @@ class WorkerConfig:
     port: int = 0                        # 0 picks a free port
     advertise_host: str | None = None    # how trainers reach this worker; None: guessed
     processes: int = 2                   # batch-producing processes
-    buffer_batches: int = 8              # finished batches each consumer may hold ahead of requests
+    buffer_batches: int | None = None    # batches each consumer may have made ahead of requests; None: max(8, processes)
     buffer_bytes: int = 1 << 30          # memory for batches made ahead, shared equally by consumers
     max_held_splits: int = 4             # splits taken from the dispatcher at once
     heartbeat_interval_s: float = 5.0    # as the dispatcher's (the same $DPEX_HEARTBEAT_INTERVAL)
@@ -83,6 +83,8 @@ class WorkerConfig:
         _check(":" in self.dispatcher, f"dispatcher must be HOST:PORT, got {self.dispatcher!r}")
         _check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
         _check(self.processes >= 1, "processes must be >= 1")
+        if self.buffer_batches is None:  # one consumer alone can keep every process busy
+            object.__setattr__(self, "buffer_batches", max(8, self.processes))
         _check(self.buffer_batches >= 1, "buffer_batches must be >= 1")
         _check(self.buffer_bytes >= 1 << 20, "buffer_bytes must be >= 1 MiB")
         _check(self.max_held_splits >= 1, "max_held_splits must be >= 1")

@@ -21,9 +21,9 @@ from dpex.procutil import reuse_freed_memory
               help="Host trainers should connect to [default: the interface that reaches the dispatcher].")
 @click.option("--processes", type=int, default=2, envvar="DPEX_PROCESSES", show_envvar=True,
               help="Processes that load, transform and collate samples.")
-@click.option("--buffer-batches", type=int, default=8, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
-              help="Finished batches each consumer (a trainer rank of a job) may have ready here "
-              "ahead of its requests.")
+@click.option("--buffer-batches", type=int, default=None, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
+              help="Batches each consumer (a trainer rank of a job) may have made here ahead of its "
+              "requests, running or ready [default: max(8, --processes)].")
 @click.option("--buffer-mb", type=float, default=1024, envvar="DPEX_BUFFER_MB", show_envvar=True,
               help="Memory for batches made ahead, in MiB; the consumers with work here share it equally.")
 @click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
@@ -54,7 +54,7 @@ from dpex.procutil import reuse_freed_memory
 @tls_ca_option
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
-         buffer_batches: int, buffer_mb: float, max_splits: int, heartbeat_interval: float, connect_timeout: float,
+         buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float, connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
          data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,

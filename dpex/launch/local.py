@@ -91,7 +91,7 @@ class LocalCluster:
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
                  heartbeat_interval_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
-                 split_size_batches: int = 4, buffer_batches: int = 8, work_dir: str | None = None,
+                 split_size_batches: int = 4, buffer_batches: int | None = None, work_dir: str | None = None,
                  consumer_timeout_s: float = 60.0, auth_token: str | None = None,
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
@@ -150,7 +150,8 @@ class LocalCluster:
 
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
-                "--processes", str(self._processes), "--buffer-batches", str(self._buffer_batches),
+                "--processes", str(self._processes),
+                *(("--buffer-batches", str(self._buffer_batches)) if self._buffer_batches is not None else ()),
                 "--heartbeat-interval", str(self._hb[0]), "--drain-timeout", str(self._drain_timeout_s),
                 *self._tls_args, *self._tls_ca_args,
                 *self._metrics_args, *self._worker_flags]

@@ -96,6 +96,22 @@ class SlowWhile(Squares):
         return super().__getitem__(i)
 
 
+class Gated(Squares):
+    """Squares that wait until the file ``path`` exists: batches that stay
+    running until a test lets them finish."""
+
+    def __init__(self, n: int, path: str) -> None:
+        super().__init__(n)
+        self.path = path
+
+    def __getitem__(self, i: int) -> dict:
+        import os
+        import time
+        while not os.path.exists(self.path):
+            time.sleep(0.005)
+        return super().__getitem__(i)
+
+
 class FilesIn(Dataset):
     """Sample i is the i-th file name under ``root`` (environment variables
     expanded on the worker: one path, each node's own files). With

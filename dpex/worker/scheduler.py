@@ -3,7 +3,9 @@
 Batches a trainer has requested come first (they are what it waits for);
 then batches produced ahead of requests, each consumer up to
 ``buffer_batches`` of them and its equal share of ``buffer_bytes``
-(dpex.worker.budget). Turns go round the jobs that have demand. So memory is
+(dpex.worker.budget); a batch asked for while it runs ahead leaves the
+read-ahead for the trainer's window, so one consumer can have its window
+plus its read-ahead running. Turns go round the jobs that have demand. So memory is
 bounded by ``buffer_bytes`` plus the trainers' request windows, and a slow,
 paused or departed consumer holds only its own share: the others keep
 producing ahead.
@@ -329,16 +331,23 @@ class Scheduler:
         bounded buffer, and must not stop the worker from taking the split a
         trainer waits for. A consumer whose split waits for its epoch's
         permutation to be drawn takes one split's room and no more splits
-        until it is drawn (a draw of 10^8 samples takes seconds)."""
+        until it is drawn (a draw of 10^8 samples takes seconds).
+
+        Past ``max_held_splits``, one more split at a time while the held ones
+        have fewer batches left than the pool runs at once: small splits
+        must not leave a many-process worker's processes idle."""
         with self._cond:
             active = self._active()
             drawing = {(e.split.job_id, e.split.consumer_index) for e in self._splits.values() if not e.planned}
             saturated = drawing | {c for c, q in self._queues.items()
                                    if q.idle or not self._budget.room(c, active)}
             self._saturated = saturated
-            busy = len(drawing) + sum(1 for e in self._splits.values()
-                                      if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated)
-            return max(0, max_held_splits - busy), sorted(saturated)
+            busy = [e for e in self._splits.values()
+                    if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated]
+            want = max_held_splits - len(drawing) - len(busy)
+            if want <= 0 and not drawing and sum(len(e.unproduced) for e in busy) < self._max_inflight:
+                want = 1
+            return max(0, want), sorted(saturated)
 
     def depth(self) -> tuple[int, int]:
         with self._cond:
@@ -381,6 +390,10 @@ class Scheduler:
                 return
             self._waiters.setdefault(key, []).append(sink)
             if key in self._running:
+                if key in self._ahead:  # asked for now: the trainer's window holds it, not the read-ahead
+                    self._ahead.discard(key)
+                    self._budget.stopped(key.consumer)
+                    self._cond.notify_all()
                 return
             if key in self._where:
                 # Pending, or sent before and asked again: (re)produce it first

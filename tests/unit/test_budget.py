@@ -36,3 +36,10 @@ def test_turns_go_to_the_job_served_longest_ago():
     assert served == [1, 3, 1, 3]
     turns.remove(1)
     assert turns.pick(lambda j: j) == 2
+
+
+def test_a_workers_default_read_ahead_covers_its_processes():
+    from dpex.config import WorkerConfig
+    assert WorkerConfig(dispatcher="h:1", processes=2).buffer_batches == 8
+    assert WorkerConfig(dispatcher="h:1", processes=12).buffer_batches == 12  # one consumer can fill them
+    assert WorkerConfig(dispatcher="h:1", processes=12, buffer_batches=3).buffer_batches == 3  # as asked

@@ -20,12 +20,18 @@ def pool():
     p.close()
 
 
+def job_file(tmp_path, dataset: str, **kwargs) -> str:
+    path = tmp_path / "job.pb"
+    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}",
+                                                                           **kwargs)),
+                                num_consumers=1).SerializeToString())
+    return str(path)
+
+
 @pytest.fixture
 def scheduler(pool, tmp_path):
-    path = tmp_path / "job.pb"
-    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(
-        dpex.DatasetSpec("dpex.testing.datasets:Squares", n=100)), num_consumers=1).SerializeToString())
-    s = Scheduler(pool, lambda job_id: str(path), buffer_batches=BUFFER, max_inflight=2,
+    path = job_file(tmp_path, "Squares", n=100)
+    s = Scheduler(pool, lambda job_id: path, buffer_batches=BUFFER, max_inflight=2,
                   worker_address="test-worker", unknown_grace_s=0.3)
     yield s
     s.close()
@@ -111,12 +117,10 @@ def test_a_newcomer_gets_its_share_of_memory_another_consumer_filled(pool, tmp_p
     # made ahead, then stopped asking (paused). Job 10 arrives: the memory is
     # split, job 9's batches over its share are evicted (made again if it
     # asks), job 10 produces ahead.
-    path = tmp_path / "job.pb"
-    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(
-        dpex.DatasetSpec("dpex.testing.datasets:Squares", n=100)), num_consumers=1).SerializeToString())
+    path = job_file(tmp_path, "Squares", n=100)
 
     def scheduler(buffer_bytes):
-        return Scheduler(pool, lambda job_id: str(path), buffer_batches=4, max_inflight=2, worker_address="w",
+        return Scheduler(pool, lambda job_id: path, buffer_batches=4, max_inflight=2, worker_address="w",
                          buffer_bytes=buffer_bytes)
     s = scheduler(1 << 30)
     try:  # each consumer has its own depth: both hold 4 while memory suffices
@@ -153,3 +157,39 @@ def test_a_consumer_whose_streams_closed_holds_nothing(scheduler):
     scheduler.request(key(5), got.append)   # it came back: produced on request, then ahead again
     wait_until(lambda: len(got) == 2 and scheduler.depth()[0] == BUFFER, what="production again")
     assert parse_frame(got[1])[0].seq == 5
+
+
+@pytest.fixture
+def gated(tmp_path):
+    """A scheduler over 4 processes whose batches run until ``gate`` exists."""
+    gate = tmp_path / "gate"
+    path = job_file(tmp_path, "Gated", n=100, path=str(gate))
+    pool4 = BatchPool(4, "test-worker")
+    s = Scheduler(pool4, lambda job_id: path, buffer_batches=2, max_inflight=8, worker_address="w")
+    yield s, gate
+    gate.touch()
+    wait_until(lambda: s.depth()[1] == 0, what="the running batches to finish")
+    s.close()
+    pool4.close()
+
+
+def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_processes_busy(gated):
+    s, gate = gated
+    s.add_split(split(n=20))
+    wait_until(lambda: s.depth() == (0, 2), what="the read-ahead running")
+    got = []
+    s.request(key(0), got.append)  # both already running ahead: asked for now, they
+    s.request(key(1), got.append)  # count in the trainer's window, not the read-ahead
+    wait_until(lambda: s.depth() == (0, 4), what="two more started ahead")
+    gate.touch()
+    wait_until(lambda: len(got) == 2 and s.depth() == (2, 0), what="the requested sent, the read-ahead ready")
+    assert sorted(parse_frame(f)[0].seq for f in got) == [0, 1]  # as they finish: the trainer orders
+
+
+def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(gated):
+    s, gate = gated
+    s.add_split(split(split_id=1, first=0, n=1))
+    s.add_split(split(split_id=2, first=1, n=1))
+    assert s.free_capacity(2) == (1, [])  # two splits held, two batches left for a pool that runs 8
+    s.add_split(split(split_id=3, first=2, n=6))
+    assert s.free_capacity(2) == (0, [])  # eight batches left: enough
