@@ -383,17 +383,14 @@ class Scheduler:
             frame = self._take_ready(key)
             if frame is not None:
                 sink(frame)
-                self._cond.notify_all()  # a free buffer slot: produce ahead again
-                if key.consumer in self._saturated:  # as last reported: it may take splits again
-                    self._saturated.discard(key.consumer)
-                    self.on_capacity()
+                self._read_ahead_freed(key.consumer)
                 return
             self._waiters.setdefault(key, []).append(sink)
             if key in self._running:
                 if key in self._ahead:  # asked for now: the trainer's window holds it, not the read-ahead
                     self._ahead.discard(key)
                     self._budget.stopped(key.consumer)
-                    self._cond.notify_all()
+                    self._read_ahead_freed(key.consumer)
                 return
             if key in self._where:
                 # Pending, or sent before and asked again: (re)produce it first
@@ -403,6 +400,14 @@ class Scheduler:
             else:
                 self._unknown_since.setdefault(key, time.monotonic())
             self._cond.notify_all()
+
+    def _read_ahead_freed(self, consumer: Consumer) -> None:
+        """A consumer's read-ahead has room again: produce ahead for it, and
+        (if last reported saturated) let the worker take its splits again."""
+        self._cond.notify_all()
+        if consumer in self._saturated:
+            self._saturated.discard(consumer)
+            self.on_capacity()
 
     def cancel(self, sink: Sink) -> None:
         """Forgets a closed stream's outstanding requests. A consumer left with

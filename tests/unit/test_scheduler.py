@@ -177,9 +177,12 @@ def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_proce
     s, gate = gated
     s.add_split(split(n=20))
     wait_until(lambda: s.depth() == (0, 2), what="the read-ahead running")
-    got = []
+    assert s.free_capacity(4)[1] == [(9, 0)]  # its read-ahead is full: saturated
+    freed, got = [], []
+    s.on_capacity = lambda: freed.append(1)
     s.request(key(0), got.append)  # both already running ahead: asked for now, they
     s.request(key(1), got.append)  # count in the trainer's window, not the read-ahead
+    assert freed  # the worker is told at once: it may take this consumer's splits again
     wait_until(lambda: s.depth() == (0, 4), what="two more started ahead")
     gate.touch()
     wait_until(lambda: len(got) == 2 and s.depth() == (2, 0), what="the requested sent, the read-ahead ready")
