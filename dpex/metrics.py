@@ -91,6 +91,8 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     collected.add_metric([], status.jobs_collected_total)
     forgotten = _counter("dpex_workers_forgotten", "Lost or left workers forgotten after --worker-gc-timeout.")
     forgotten.add_metric([], status.workers_forgotten_total)
+    heartbeats = _counter("dpex_worker_heartbeats", "Worker heartbeats answered since the dispatcher started.")
+    heartbeats.add_metric([], status.worker_heartbeats_total)
     job_labels = ["job_id", "job_name"]
     planned = _counter("dpex_job_batches_planned", "Batches planned by the job's trainers.", job_labels)
     delivered = _counter("dpex_job_batches_delivered", "Batches trainers acknowledged.", job_labels)
@@ -117,5 +119,5 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, assigned, reassigned, collected, forgotten, planned, delivered, pending, consumers,
+    return [workers, jobs, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending, consumers,
             needed, job_needed, heartbeat, *loads]

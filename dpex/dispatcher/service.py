@@ -79,6 +79,10 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._waiters = Waiters()
         self._seen = Liveness()
         self._started = time.monotonic()
+        self._heartbeats = 0  # answered since start (the GetStatus counter)
+        # Splits a worker holds that were delivered in full: it drops them with its
+        # next heartbeat's answer; they do not make a waiting heartbeat answer early.
+        self._settled: dict[str, set[int]] = {}
         self._store = Store(config.work_dir, config.journal_compact_bytes) if config.work_dir else None
         self._own_plan_dir = None if config.work_dir else temp_dir("dispatcher")
         self._plan_files = PlanFiles(os.path.join(config.work_dir, "plans") if config.work_dir
@@ -121,6 +125,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
             self._store.append(update)  # written before it takes effect; durable before any answer
         result = self._state.apply(update)
         changes = self._state.take_changes()
+        for worker_id, split_ids in changes.settled.items():
+            self._settled.setdefault(worker_id, set()).update(split_ids)
         if self._store is not None and self._store.due(changes.plans_ended > 0):
             self._store.compact(self._state)  # the log restarts from a snapshot of the live state
         self._waiters.wake(changes)
@@ -148,6 +154,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                              splits_replanned=len(worker.held)))
                     self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
                     self._seen.lost(worker.worker_id)
+                    self._settled.pop(worker.worker_id, None)
                 for job_id, consumer in self._seen.silent_consumers(self._config.consumer_timeout_s):
                     if self._state.has_live_plan(job_id, consumer):
                         log.warning("consumer has not synced for %.0fs; releasing its plan (its "
@@ -238,14 +245,22 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
                                                                    split_ids=chosen))
                 release = self._state.releasable(worker.worker_id, list(held))
+                settled = self._settled.get(worker.worker_id, set())
+                settled &= held  # what it no longer holds needs no word
+                urgent = [s for s in release if s not in settled]  # cancelled or taken away: free them now
                 remaining = deadline - time.monotonic()
-                if (worker.held - held or release or remaining <= 0 or not worker.alive
+                if (worker.held - held or urgent or remaining <= 0 or not worker.alive
                         or self._stop.is_set() or self._waiters.full):
                     pause = remaining > 0 and (self._waiters.full or self._stop.is_set())  # no room, or closing
                     response = dpb.WorkerHeartbeatResponse(release_split_ids=release, pause=pause)
                     for split_id in sorted(worker.held - held):
                         self._describe(self._state.splits[split_id], response.splits.add())
                     self._seen.worker(worker.worker_id)
+                    self._heartbeats += 1
+                    if worker.worker_id in self._settled:
+                        settled -= set(release)
+                        if not settled:
+                            del self._settled[worker.worker_id]
                     return response
                 poll = self._waiters.worker(worker.worker_id, request.want_splits > 0)
             await self._wait(poll, remaining)
@@ -261,6 +276,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                       splits_replanned=len(worker.held)))
                 self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id, left=True))
                 self._seen.lost(worker.worker_id)
+                self._settled.pop(worker.worker_id, None)
         return dpb.DeregisterWorkerResponse()
 
     # ---- jobs and plans -----------------------------------------------------
@@ -449,7 +465,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                              splits_reassigned_total=state.splits_reassigned_total,
                                              uptime_s=now - self._started,
                                              jobs_collected_total=state.jobs_collected_total,
-                                             workers_forgotten_total=state.workers_forgotten_total)
+                                             workers_forgotten_total=state.workers_forgotten_total,
+                                             worker_heartbeats_total=self._heartbeats)
             for w in state.workers.values():
                 response.workers.add(worker_id=w.worker_id, address=w.address,
                                      state="alive" if w.alive else "left" if w.left else "lost",

@@ -36,6 +36,7 @@ class Changes:
     consumers: set[tuple[int, int]] = field(default_factory=set)  # (job, consumer): owners changed
     splits_freed: int = 0         # splits that became available to workers
     plans_ended: int = 0          # plans delivered in full or cancelled
+    settled: dict[str, set[int]] = field(default_factory=dict)  # worker -> its splits delivered in full
 
 
 @dataclass
@@ -310,7 +311,7 @@ class DispatcherState:
             split.delivered.add(seq)
             newly += 1
             if len(split.delivered) == split.num_batches:
-                self._drop(split)
+                self._drop(split, wake_worker=False)
         plan.num_delivered += newly
         job.batches_delivered += newly
         return newly
@@ -377,7 +378,11 @@ class DispatcherState:
         self.changes.splits_freed += len(worker.held)
         worker.held.clear()
 
-    def _drop(self, split: Split) -> None:
+    def _drop(self, split: Split, wake_worker: bool = True) -> None:
+        """The split is done: delivered in full, or cancelled. A worker is woken
+        to drop a cancelled split at once (it frees what it holds for it); a
+        delivered one it drops with its next heartbeat's answer (nothing of it is
+        held any more): one call per split fewer."""
         plan = split.plan
         del self.splits[split.split_id]
         plan.live.discard(split.split_id)
@@ -388,7 +393,10 @@ class DispatcherState:
             heapq.heapify(plan.returned)
         elif split.worker_id in self.workers:
             self.workers[split.worker_id].held.discard(split.split_id)
-            self.changes.workers.add(split.worker_id)
+            if wake_worker:
+                self.changes.workers.add(split.worker_id)
+            else:
+                self.changes.settled.setdefault(split.worker_id, set()).add(split.split_id)
         if plan.finished:
             self._forget(plan)
 

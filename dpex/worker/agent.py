@@ -32,6 +32,7 @@ class DispatcherAgent:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._poll: Any = None  # the heartbeat in flight, to cut short when room frees
+        self._asked: tuple[int, list] | None = None  # what it asked for: (splits wanted, saturated)
         self._nudge = threading.Event()  # room freed: a pause between heartbeats ends
         scheduler.on_capacity = self._room_freed
         self.worker_id = ""
@@ -58,23 +59,32 @@ class DispatcherAgent:
 
     def _track_poll(self, asked: tuple[int, list], future: Any) -> None:
         with self._lock:
-            self._poll = future
+            self._poll, self._asked = future, (asked if future is not None else None)
         if future is not None and (self._stop.is_set() or self._more_room(asked)):
-            self._room_freed()  # closing, or room came between asking and this call starting
+            self._cut()  # closing, or room came between asking and this call starting
 
     def _more_room(self, asked: tuple[int, list]) -> bool:
-        want, saturated = self._scheduler.free_capacity(self._config.max_held_splits)
-        return want > asked[0] or not set(asked[1]) <= set(saturated)
+        want, saturated = self._scheduler.free_capacity(self._config.max_held_splits, record=False)
+        # A consumer no longer saturated matters only if a split can be taken at all.
+        return want > asked[0] or (want > 0 and not set(asked[1]) <= set(saturated))
 
     def _room_freed(self) -> None:
         """A heartbeat long-polls the dispatcher for an interval; once there is
         more room than it asked for (a split fully produced, a consumer no
-        longer saturated), cut it short and ask again."""
+        longer saturated), cut it short and ask again. Room it asked for
+        already (a split taken meanwhile) does not cut it: a call saved."""
+        with self._lock:
+            self._nudge.set()
+            asked = self._asked
+        if asked is not None and self._more_room(asked):
+            self._cut()
+
+    def _cut(self) -> None:
         with self._lock:
             self._nudge.set()
             if self._poll is not None:
                 self._poll.cancel()
-                self._poll = None
+                self._poll, self._asked = None, None
 
     def _register(self) -> None:
         response = self._rpc(self._stub.RegisterWorker,
@@ -123,7 +133,7 @@ class DispatcherAgent:
                                                           first_seq=split.first_seq, batches=split.num_batches))
                     self.ensure_job(split.job_id)
                     self._scheduler.add_split(split)
-            except DpexCancelledError:  # cut short by _room_freed: ask again, now for splits
+            except DpexCancelledError:  # cut short by _cut: ask again, now for splits
                 continue
             except DpexNotFoundError:
                 if self._stop.is_set():
@@ -149,7 +159,7 @@ class DispatcherAgent:
         """Stops heartbeats; with ``deregister``, tells the dispatcher we leave
         so that it re-plans our splits now rather than at the heartbeat timeout."""
         self._stop.set()
-        self._room_freed()  # cuts a heartbeat's long poll short: no waiting out the interval
+        self._cut()  # cuts a heartbeat's long poll short: no waiting out the interval
         if self._thread.is_alive():
             self._thread.join()
         if deregister and self.registered.is_set():

@@ -321,7 +321,7 @@ class Scheduler:
         with self._cond:
             return list(self._splits)
 
-    def free_capacity(self, max_held_splits: int) -> tuple[int, list[Consumer]]:
+    def free_capacity(self, max_held_splits: int, record: bool = True) -> tuple[int, list[Consumer]]:
         """How many more splits to take, and the consumers to take none of.
 
         Held splits with batches still to produce count, unless their consumer
@@ -335,13 +335,15 @@ class Scheduler:
 
         Past ``max_held_splits``, one more split at a time while the held ones
         have fewer batches left than the pool runs at once: small splits
-        must not leave a many-process worker's processes idle."""
+        must not leave a many-process worker's processes idle. ``record``: this
+        is what the worker reports (else a question only)."""
         with self._cond:
             active = self._active()
             drawing = {(e.split.job_id, e.split.consumer_index) for e in self._splits.values() if not e.planned}
             saturated = drawing | {c for c, q in self._queues.items()
                                    if q.idle or not self._budget.room(c, active)}
-            self._saturated = saturated
+            if record:
+                self._saturated = saturated
             busy = [e for e in self._splits.values()
                     if e.unproduced and (e.split.job_id, e.split.consumer_index) not in saturated]
             want = max_held_splits - len(drawing) - len(busy)
@@ -402,10 +404,13 @@ class Scheduler:
             self._cond.notify_all()
 
     def _read_ahead_freed(self, consumer: Consumer) -> None:
-        """A consumer's read-ahead has room again: produce ahead for it, and
-        (if last reported saturated) let the worker take its splits again."""
+        """A consumer's read-ahead has room again: produce ahead for it; if it
+        was last reported saturated and has nothing left to produce here, let
+        the worker take its splits again now. (With batches left, the room is
+        used on them, and the worker asks once they are all made.)"""
         self._cond.notify_all()
-        if consumer in self._saturated:
+        queue = self._queues.get(consumer)
+        if consumer in self._saturated and (queue is None or not queue.todo):
             self._saturated.discard(consumer)
             self.on_capacity()
 

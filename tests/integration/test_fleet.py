@@ -91,3 +91,32 @@ def test_a_request_that_does_not_parse_is_invalid_argument():
                 except grpc.RpcError as e:
                     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e)
                     assert "malformed dpex.v1." in e.details()
+
+
+def test_a_delivered_split_is_dropped_with_the_next_answer_a_cancelled_one_at_once():
+    # A worker learns that a split was delivered in full with its next heartbeat's
+    # answer (one call per split fewer); a split of a left epoch, at once.
+    interval = 2.0
+    with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=60,
+                      split_size_batches=4) as c, grpc.insecure_channel(c.address) as ch:
+        d = dgrpc.DispatcherStub(ch)
+        w = d.RegisterWorker(dpb.RegisterWorkerRequest(address="127.0.0.1:1")).worker_id
+        job = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
+            name="settled", dataset=b"x", num_consumers=1, batch_size=4))).job_id
+        sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=32, batch_size=4,
+                                  kind=dpb.SamplerSpec.SEQUENTIAL)
+        d.SubmitPlan(dpb.SubmitPlanRequest(job_id=job, epoch=0, sampler=sampler))
+        held = [s.split_id for s in d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, want_splits=2),
+                                                      timeout=30).splits]
+        assert len(held) == 2
+        d.SyncConsumer(dpb.SyncConsumerRequest(job_id=job, consumer_index=0, epoch=0,
+                                               delivered_seqs=[0, 1, 2, 3]))  # the first split, in full
+        started = time.monotonic()
+        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, held_split_ids=held), timeout=30)
+        assert list(r.release_split_ids) == held[:1]
+        assert time.monotonic() - started >= 0.75 * interval  # not an answer of its own
+        d.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=job, consumer_index=0, epoch=0))  # epoch left
+        started = time.monotonic()
+        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, held_split_ids=held[1:]), timeout=30)
+        assert list(r.release_split_ids) == held[1:]
+        assert time.monotonic() - started < 0.5 * interval  # at once: the worker frees what it holds

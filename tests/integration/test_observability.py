@@ -47,6 +47,8 @@ def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
         # 12 splits of 2 batches; the killed worker's were taken back and assigned again.
         assert total(d, "dpex_splits_assigned_total") >= 12
         assert total(d, "dpex_splits_assigned_total") == 12 + total(d, "dpex_splits_reassigned_total")
+        # Heartbeats answered: the dispatcher's load from its fleet, counting up.
+        assert total(d, "dpex_worker_heartbeats_total") > total(mid, "dpex_worker_heartbeats_total") > 0
         # Each surviving worker's own endpoint agrees with what its heartbeats told the dispatcher.
         # A survivor may still finish a batch it had started when the job was released
         # (e.g. a re-assigned split's batch the trainer no longer needed), so both sides

@@ -182,7 +182,7 @@ def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_proce
     s.on_capacity = lambda: freed.append(1)
     s.request(key(0), got.append)  # both already running ahead: asked for now, they
     s.request(key(1), got.append)  # count in the trainer's window, not the read-ahead
-    assert freed  # the worker is told at once: it may take this consumer's splits again
+    assert not freed  # the room goes to the split's next batches: no new split needed yet
     wait_until(lambda: s.depth() == (0, 4), what="two more started ahead")
     gate.touch()
     wait_until(lambda: len(got) == 2 and s.depth() == (2, 0), what="the requested sent, the read-ahead ready")
@@ -196,3 +196,14 @@ def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(gated):
     assert s.free_capacity(2) == (1, [])  # two splits held, two batches left for a pool that runs 8
     s.add_split(split(split_id=3, first=2, n=6))
     assert s.free_capacity(2) == (0, [])  # eight batches left: enough
+
+
+def test_a_saturated_consumer_with_nothing_left_to_make_lets_the_worker_take_its_splits(gated):
+    s, gate = gated
+    s.add_split(split(n=2))
+    wait_until(lambda: s.depth() == (0, 2), what="the read-ahead running")
+    assert s.free_capacity(4)[1] == [(9, 0)]  # saturated, as reported
+    freed = []
+    s.on_capacity = lambda: freed.append(1)
+    s.request(key(0), lambda frame: None)
+    assert freed  # room, and nothing of it left here: the worker asks for its splits at once

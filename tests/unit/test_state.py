@@ -227,8 +227,10 @@ def test_changes_name_only_what_an_update_touched():
     deliver(s, [0])  # half a split: nobody's splits change
     c = s.take_changes()
     assert not c.workers and not c.plans_ended
-    deliver(s, [1])  # the split is done: a's poll learns it may drop it
-    assert s.take_changes().workers == {"a"}
+    deliver(s, [1])  # the split is done: a drops it with its next answer, not woken for it
+    c = s.take_changes()
+    assert not c.workers and set(c.settled) == {"a"} and len(c.settled["a"]) == 1
+    assert not c.settled["a"] & s.workers["a"].held  # no longer a's
     s.apply(jpb.Update(worker_lost=jpb.WorkerLost(worker_id="a")))
     c = s.take_changes()
     assert c.workers == {"a"} and c.splits_freed == 1  # its other split is free again
