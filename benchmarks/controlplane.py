@@ -25,7 +25,10 @@
   connecting and registering at once), how long idle heartbeats poll, and
   its RSS. With 2+ cores the dispatcher gets one core to itself. The
   1,000-worker fleet again with a --work-dir ("durable"): every assignment
-  and delivery journaled, answers held until they are on disk.
+  and delivery journaled, answers held until they are on disk;
+- real workers (1 and 4 daemons of 2 processes) feeding one trainer an epoch
+  of 200 splits: worker heartbeats the dispatcher answered per split
+  (`dpex_worker_heartbeats_total`), what a fleet's heartbeat rate follows.
 """
 from __future__ import annotations
 
@@ -152,6 +155,7 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
     steady = time.monotonic() + interval  # set up; every worker's first poll (spread over an interval) done
     end = time.monotonic() + seconds
     idle: list[float] = []  # heartbeats that came back with nothing: how long they polled
+    make_s = max(1.0, workers / consumers)  # seconds a fake worker takes to produce a split
     heartbeats = 0
 
     async def worker(worker_id: str) -> None:
@@ -159,16 +163,28 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
         # A connection of its own, as a worker has (HTTP/2 caps the streams of one).
         own = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         stub = dgrpc.DispatcherStub(own)
-        held: list[int] = []
+        # As dpex.worker.agent: room for a split being produced; a split takes
+        # workers / consumers seconds to produce (the fleet makes what the
+        # consumers below take, a split a second each), and the poll is cut
+        # short when it is done (room beyond what it asked for); a split is
+        # dropped when an answer says so (its consumer acknowledged it, or left).
+        held: dict[int, float] = {}  # split id -> when it is produced
         while time.monotonic() < end:
             started = time.monotonic()
-            r = await stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(
-                worker_id=worker_id, want_splits=max(0, 2 - len(held)), held_split_ids=held))
+            producing = [t for t in held.values() if t > started]
+            call = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(
+                worker_id=worker_id, want_splits=max(0, 1 - len(producing)), held_split_ids=list(held)))
+            try:
+                r = await (asyncio.wait_for(call, min(producing) - started) if producing else call)
+            except asyncio.TimeoutError:  # a split was produced: ask again (the call is cancelled)
+                continue
             heartbeats += 1
             if not r.splits and not r.release_split_ids:
                 idle.append(time.monotonic() - started)
-            held = [s for s in held if s not in set(r.release_split_ids)] + [s.split_id for s in r.splits]
-            # A split "takes" about a second: the oldest is reported done by its consumer below.
+            for split_id in r.release_split_ids:
+                held.pop(split_id, None)
+            for split in r.splits:
+                held[split.split_id] = time.monotonic() + make_s * random.uniform(0.8, 1.2)
         await own.close()
 
     async def consumer(k: int) -> None:
@@ -257,6 +273,29 @@ def load(fleet: list[int], consumers: int, samples: int, seconds: float, durable
                   f"{rss_mb(pid):>7.1f}")
 
 
+def calls(worker_counts: list[int], splits: int = 200) -> None:
+    """Heartbeats answered per split with real workers and a real trainer."""
+    from benchmarks.pipeline import IOBound
+    print(f"\n{'workers':>7} {'splits':>7} {'heartbeats':>11} {'per split':>10} {'epoch s':>8}")
+    for workers in worker_counts:
+        with dpex.LocalCluster(num_workers=workers, processes=2) as c, \
+                grpc.insecure_channel(c.address) as ch:
+            stub = dgrpc.DispatcherStub(ch)
+            dataset = IOBound(16 * 4 * splits, wait_s=0.002, size=8)  # splits of 4 batches of 16
+            with dpex.RemoteDataLoader(c.address, dataset, batch_size=16) as dl:
+                for _ in dl:  # warm-up epoch: the processes build the dataset
+                    pass
+                before = stub.GetStatus(dpb.GetStatusRequest())
+                start = time.perf_counter()
+                for _ in dl:
+                    pass
+                wall = time.perf_counter() - start
+                after = stub.GetStatus(dpb.GetStatusRequest())
+        beats = after.worker_heartbeats_total - before.worker_heartbeats_total
+        done = after.splits_assigned_total - before.splits_assigned_total
+        print(f"{workers:>7} {done:>7} {beats:>11} {beats / done:>10.2f} {wall:>8.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter runs")
@@ -271,6 +310,7 @@ def main() -> None:
     history([10, 100] if args.quick else [10, 100, 1000])
     load([10, 100] if args.quick else [10, 100, 1000], 256, 10**8, 10 if args.quick else 30,
          [100] if args.quick else [1000])
+    calls([1, 4])
 
 
 if __name__ == "__main__":
