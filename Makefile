@@ -48,6 +48,7 @@ test-docker: setup
 bench: setup
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/scaleout.py
+	$(PY) benchmarks/scaleout.py --within
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/first_batch.py
 	$(PY) benchmarks/compression.py
