@@ -56,7 +56,7 @@ class WorkerConfig:
     port: int = 0                        # 0 picks a free port
     advertise_host: str | None = None    # how trainers reach this worker; None: guessed
     processes: int = 2                   # batch-producing processes
-    buffer_batches: int | None = None    # batches each consumer may have made ahead of requests; None: max(8, processes)
+    buffer_batches: int | None = None    # each consumer's batches made ahead of requests; None: max(8, processes)
     buffer_bytes: int = 1 << 30          # memory for batches made ahead, shared equally by consumers
     max_held_splits: int = 4             # splits taken from the dispatcher at once
     heartbeat_interval_s: float = 5.0    # as the dispatcher's (the same $DPEX_HEARTBEAT_INTERVAL)

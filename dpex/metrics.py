@@ -119,5 +119,5 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending, consumers,
-            needed, job_needed, heartbeat, *loads]
+    return [workers, jobs, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending,
+            consumers, needed, job_needed, heartbeat, *loads]

@@ -54,7 +54,8 @@ from dpex.procutil import reuse_freed_memory
 @tls_ca_option
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
-         buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float, connect_timeout: float,
+         buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float,
+         connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
          data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,
