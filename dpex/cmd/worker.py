@@ -27,7 +27,8 @@ from dpex.procutil import reuse_freed_memory
 @click.option("--buffer-mb", type=float, default=1024, envvar="DPEX_BUFFER_MB", show_envvar=True,
               help="Memory for batches made ahead, in MiB; the consumers with work here share it equally.")
 @click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
-              help="Splits taken from the dispatcher at once.")
+              help="Splits with work left taken from the dispatcher at once (one more at a time while they "
+              "hold fewer batches than 2 x --processes).")
 @click.option("--heartbeat-interval", type=float, default=5.0, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds between heartbeats to the dispatcher (as the dispatcher's).")
 @click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
