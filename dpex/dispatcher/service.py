@@ -140,6 +140,11 @@ class DispatcherService(dgrpc.DispatcherServicer):
             with self._lock:
                 self._waiters.done(poll)
 
+    def _worker_gone(self, worker_id: str) -> None:
+        """A worker was lost or left (its splits re-planned): no poll of it to answer."""
+        self._seen.lost(worker_id)
+        self._settled.pop(worker_id, None)
+
     def _reap(self) -> None:
         """Marks silent workers lost and releases silent consumers."""
         period = min(self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s / 4, 1.0)
@@ -153,8 +158,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                                 extra=fields(worker_id=worker.worker_id, address=worker.address,
                                              splits_replanned=len(worker.held)))
                     self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id))
-                    self._seen.lost(worker.worker_id)
-                    self._settled.pop(worker.worker_id, None)
+                    self._worker_gone(worker.worker_id)
                 for job_id, consumer in self._seen.silent_consumers(self._config.consumer_timeout_s):
                     if self._state.has_live_plan(job_id, consumer):
                         log.warning("consumer has not synced for %.0fs; releasing its plan (its "
@@ -275,8 +279,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                          extra=fields(worker_id=worker.worker_id, address=worker.address,
                                       splits_replanned=len(worker.held)))
                 self._apply(worker_lost=jpb.WorkerLost(worker_id=worker.worker_id, left=True))
-                self._seen.lost(worker.worker_id)
-                self._settled.pop(worker.worker_id, None)
+                self._worker_gone(worker.worker_id)
         return dpb.DeregisterWorkerResponse()
 
     # ---- jobs and plans -----------------------------------------------------

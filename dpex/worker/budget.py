@@ -62,7 +62,8 @@ class Budget:
         self._of(consumer).running += 1
 
     def stopped(self, consumer: Consumer) -> None:
-        """A batch started ahead finished (or was dropped)."""
+        """A batch started ahead finished, was dropped, or was asked for (the
+        trainer's window holds it from then on)."""
         h = self._of(consumer)
         h.running = max(0, h.running - 1)
         self._tidy(consumer)
