@@ -26,6 +26,7 @@ from dpex.plan.seq import stream_seq_exists, streams_limit
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
 from dpex.wire import decode, parse_frame
+from dpex.wire.frame import frame_view
 from dpex.wire.compression import decompress
 from dpex.worker import handoff
 
@@ -457,7 +458,7 @@ class EpochFetcher:
         if not meta.HasField("error"):
             try:
                 if meta.compression:
-                    payload = decompress(meta.compression, payload, meta.raw_size)
+                    payload = decompress(meta.compression, frame_view(payload), meta.raw_size)
                 batch = decode(payload)
             except DpexWireError as e:
                 return self._corrupt_frame(got.address, seq, e)

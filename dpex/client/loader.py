@@ -24,7 +24,7 @@ from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.distributed import current_run, shared_job_name
 from dpex.client.fetcher import DatasetSeen, EpochFetcher
 from dpex.client.options import Indices, LoaderOptions, check_sampling
-from dpex.client.pinning import PinnedEpoch, pin_target
+from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
@@ -273,6 +273,8 @@ class RemoteDataLoader:
                                             drop_last=drop_last, collate_fn=_as_list, generator=generator)
             self._window = window or 4 * max(1, len(self._alive_workers()))
             self._pin = pin_target(pin_memory_device) if pin_memory else None
+            if self._pin is not None:  # frames from other hosts arrive pinned
+                self._res.streams.read_frame = PinnedFrames(self._pin)
         except BaseException:
             self.close()
             raise

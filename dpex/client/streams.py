@@ -9,7 +9,7 @@ import logging
 import queue
 import socket
 import threading
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import grpc
 
@@ -26,7 +26,7 @@ log = logging.getLogger("dpex.client")
 
 class Received(NamedTuple):
     address: str
-    frame: bytes | None           # None: the stream failed
+    frame: Any                    # bytes, bytearray or a uint8 tensor (dpex.wire.frame); None: the stream failed
     error: BaseException | None = None
 
 
@@ -54,20 +54,30 @@ def _connect(address: str, port: int, key: bytes) -> socket.socket:
     return sock
 
 
-def _follow(sock: socket.socket, pointer: bytes) -> "bytes | bytearray":
-    """The frame a pointer names, read from the data socket into a buffer of
-    our own (one copy, the kernel's); a frame sent whole in gRPC as it is."""
-    meta, _ = parse_frame(pointer)
-    if not meta.data_size:
-        return pointer
-    buf = bytearray(meta.data_size)
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def read_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from the socket (the kernel's copy only)."""
+    got = 0
+    while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
             raise OSError("the worker closed the data socket")
         got += n
+
+
+def read_frame(sock: socket.socket, nbytes: int) -> bytearray:
+    """A frame read into a buffer of our own."""
+    buf = bytearray(nbytes)
+    read_exactly(sock, memoryview(buf))
     return buf
+
+
+def _follow(sock: socket.socket, pointer: bytes, read: Callable[[socket.socket, int], Any]) -> Any:
+    """The frame a pointer names, read from the data socket by ``read``; a
+    frame sent whole in gRPC as it is."""
+    meta, _ = parse_frame(pointer)
+    if not meta.data_size:
+        return pointer
+    return read(sock, meta.data_size)
 
 
 class _Stream:
@@ -114,7 +124,7 @@ class _Stream:
                         raise
             for frame in self._call:
                 if self._sock is not None:
-                    frame = _follow(self._sock, frame)
+                    frame = _follow(self._sock, frame, self._pool.read_frame)
                 if self._pool.wanted(frame):
                     self._results.put(Received(self.address, frame))
             error: BaseException = ConnectionError(f"worker {self.address} closed the stream")
@@ -148,6 +158,8 @@ class StreamPool:
         self.token, self.tls_ca = token, tls_ca
         self.host = host_id() if shared_memory else ""
         self.data_socket = True  # ask workers on other hosts for a data socket (dpex.worker.dataport)
+        # How a frame on a data socket is read; pinning reads into pinned memory (dpex.client.pinning).
+        self.read_frame: Callable[[socket.socket, int], Any] = read_frame
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -156,7 +168,7 @@ class StreamPool:
     def start_epoch(self, key: tuple[int, int, int]) -> None:
         self._epoch = key
 
-    def wanted(self, frame: bytes) -> bool:
+    def wanted(self, frame: Any) -> bool:
         """Whether a frame is for the epoch being fetched. Others (a left or
         earlier epoch's) are dropped here, their hand-off files at once."""
         try:

@@ -139,13 +139,18 @@ class _Decoder:
     def __init__(self, payload: Any, data_start: int) -> None:
         self.payload = payload
         self.data_start = data_start
-        self.size = memoryview(payload).nbytes
+        self.size = payload.numel() if isinstance(payload, torch.Tensor) else memoryview(payload).nbytes
 
-    def raw(self, offset: int, nbytes: int) -> torch.Tensor:
+    def raw(self, offset: int, nbytes: int, itemsize: int = 1) -> torch.Tensor:
         start = self.data_start + offset
         if offset < 0 or nbytes < 0 or start + nbytes > self.size:
             raise DpexWireError("corrupt batch payload: a buffer lies outside the payload")
-        return torch.frombuffer(self.payload, dtype=torch.uint8, count=nbytes, offset=start)
+        if not isinstance(self.payload, torch.Tensor):
+            return torch.frombuffer(self.payload, dtype=torch.uint8, count=nbytes, offset=start)
+        # A slice of the payload tensor shares its storage: pinned memory stays
+        # pinned, and torch's caching host allocator sees the copies made from it.
+        part = self.payload[start:start + nbytes]
+        return part if part.storage_offset() % itemsize == 0 else part.clone()  # a view needs it aligned
 
     def node(self, n: Any) -> Any:
         if not isinstance(n, list):
@@ -159,7 +164,7 @@ class _Decoder:
                     raise DpexWireError(f"corrupt batch payload: unknown dtype {dtype_name!r}")
                 if nbytes == 0:
                     return torch.empty(shape, dtype=dtype)
-                return self.raw(offset, nbytes).view(dtype).reshape(shape)
+                return self.raw(offset, nbytes, dtype.itemsize).view(dtype).reshape(shape)
             if tag == "N":
                 _, descr, shape, offset, nbytes = n
                 dtype = np.lib.format.descr_to_dtype(_descr(descr))
@@ -212,9 +217,10 @@ def _namedtuple(path: str, fields: list[str]) -> type:
     return collections.namedtuple(qualname.rpartition(".")[2] or "Record", fields)
 
 
-def decode(payload: bytes | bytearray | memoryview) -> Any:
-    """Decodes a payload made by :func:`encode`; tensors share its memory."""
-    view = memoryview(payload)
+def decode(payload: bytes | bytearray | memoryview | torch.Tensor) -> Any:
+    """Decodes a payload made by :func:`encode` (bytes, or a 1-D uint8 tensor);
+    tensors share its memory."""
+    view = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else memoryview(payload)
     if view.nbytes < _PREFIX.size:
         raise DpexWireError("corrupt batch payload: too short")
     magic, header_len = _PREFIX.unpack_from(view, 0)

@@ -2,9 +2,15 @@
 already-encoded payload, and parsed without copying the payload.
 
 Worker processes build the whole frame, so the worker daemon forwards bytes
-and the trainer slices the payload out of the received message.
+and the trainer slices the payload out of the received message. A frame is
+bytes, a bytearray, or a 1-D uint8 torch tensor (a receive buffer in pinned
+memory, ``dpex.client.pinning``); a tensor frame's payload is a slice of the
+tensor itself. This module does not import torch.
 """
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 from dpex.errors import DpexWireError
 from dpex.proto import worker_pb2 as wpb
@@ -47,9 +53,44 @@ def build_frame(meta: wpb.Batch, payload: bytes = b"") -> bytes:
     return b"".join(frame_parts(meta, [payload]) if payload else [meta.SerializeToString()])
 
 
-def parse_frame(frame: bytes) -> tuple[wpb.Batch, memoryview]:
-    """Splits a frame into its metadata and a zero-copy view of the payload."""
-    view = memoryview(frame)
+def is_tensor(frame: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor frame exists only where torch is loaded
+    return torch is not None and isinstance(frame, torch.Tensor)
+
+
+def frame_view(frame: Any) -> memoryview:
+    """The bytes of a frame or payload of any kind, without a copy."""
+    return memoryview(frame.numpy()) if is_tensor(frame) else memoryview(frame)
+
+
+def payload_offset(head: Any) -> int | None:
+    """Where the payload's bytes begin in a frame of which ``head`` is the
+    start (None: not within ``head``, or no payload)."""
+    view, pos = memoryview(head), 0
+    try:
+        while pos < len(view):
+            key, pos = _read_varint(view, pos)
+            wire_type = key & 7
+            if wire_type == 0:
+                _, pos = _read_varint(view, pos)
+            elif wire_type == 2:
+                length, pos = _read_varint(view, pos)
+                if key >> 3 == 1:
+                    return pos
+                pos += length
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            else:
+                return None
+    except DpexWireError:  # the head ends inside a varint
+        return None
+    return None
+
+
+def parse_frame(frame: Any) -> tuple[wpb.Batch, Any]:
+    """Splits a frame into its metadata and a zero-copy view of the payload
+    (for a tensor frame, a slice of that tensor)."""
+    view = frame_view(frame)
     pos, meta_parts, payload = 0, [], view[0:0]
     while pos < len(view):
         start = pos
@@ -62,7 +103,7 @@ def parse_frame(frame: bytes) -> tuple[wpb.Batch, memoryview]:
             if pos + length > len(view):
                 raise DpexWireError("corrupt batch frame: truncated field")
             if field == 1:
-                payload = view[pos:pos + length]
+                payload = frame[pos:pos + length] if is_tensor(frame) else view[pos:pos + length]
                 pos += length
                 continue
             pos += length

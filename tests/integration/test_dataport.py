@@ -70,3 +70,31 @@ def test_an_unreachable_data_port_falls_back_to_grpc_messages(cluster, monkeypat
         assert epoch(dl) == list(range(24))
         assert all(s is None for s in sockets(dl))
     assert "receiving batches in gRPC messages instead" in caplog.text
+
+
+def test_frames_read_into_tensors_arrive_as_views_of_them_and_a_broken_socket_loses_nothing(cluster):
+    """What pin_memory does on this path (dpex.client.pinning.PinnedFrames; here
+    without an accelerator, so not page-locked): each frame is read into one
+    tensor, the payload aligned, and a batch's tensors are views of it."""
+    from torch.utils.data import DataLoader
+
+    from dpex.client.pinning import PinnedFrames
+    from dpex.testing.datasets import Squares
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64, dim=4096)  # frames of 128 KB: on the socket
+    theirs = list(DataLoader(Squares(64, 4096), batch_size=8))
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=8, shared_memory=False, timeout=60) as dl:
+        dl._res.streams.read_frame = PinnedFrames(None)
+        for cut in (None, 2):
+            ours = []
+            for i, batch in enumerate(dl):
+                ours.append(batch)
+                if i == cut:
+                    sockets(dl)[0].shutdown(socket.SHUT_RDWR)
+            assert [b["y"].tolist() for b in ours] == [b["y"].tolist() for b in theirs]  # exactly once, in order
+            assert all(a["x"].equal(b["x"]) for a, b in zip(ours, theirs))
+            for b in ours:  # one storage per batch: the frame's, nothing copied out of it
+                storage = b["x"].untyped_storage()
+                assert storage.data_ptr() == b["y"].untyped_storage().data_ptr()
+                assert storage.nbytes() > b["x"].nbytes + b["y"].nbytes
+                assert b["x"].storage_offset() * 4 % 64 == 0 and b["y"].storage_offset() * 8 % 64 == 0
+        assert all(s is not None for s in sockets(dl))

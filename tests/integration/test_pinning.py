@@ -51,3 +51,27 @@ def test_a_pinned_epoch_left_midway_stops_its_thread(cluster):
         wait_until(lambda: not [t for t in threading.enumerate() if t.name == "dpex-pin-memory"], 10,
                    "the pinning thread to stop")
         assert [y for b in dl for y in b["y"].tolist()] == list(range(64))  # a new epoch, complete
+
+
+@gpu
+def test_frames_from_another_host_are_received_into_pinned_memory_and_safe_to_copy_from(cluster):
+    """shared_memory=False (the network path): a frame is read from the data
+    socket straight into a pinned block, its tensors are views of it (no copy
+    by the pinning thread), and a non_blocking copy from a batch the loop has
+    already dropped still reads the right bytes (the block is not reused
+    until the copy is done)."""
+    from torch.utils.data import DataLoader
+
+    from dpex.testing.datasets import Squares
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=256, dim=4096)  # 128 KB frames: on the socket
+    expected = [b["x"] for b in DataLoader(Squares(256, 4096), batch_size=8)]
+    copies = []
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=8, pin_memory=True, shared_memory=False,
+                               timeout=60) as dl:
+        torch.cuda._sleep(2_000_000_000)  # the copies below queue behind about a second of GPU time
+        for b in dl:
+            assert b["x"].is_pinned() and b["y"].is_pinned()
+            assert b["x"].untyped_storage().data_ptr() == b["y"].untyped_storage().data_ptr()  # the frame's block
+            copies.append(b["x"].to("cuda", non_blocking=True))
+    torch.cuda.synchronize()
+    assert len(copies) == len(expected) and all(c.cpu().equal(e) for c, e in zip(copies, expected))

@@ -106,6 +106,46 @@ def test_decode_does_not_copy_tensor_data():
         assert start <= ptr and ptr + nbytes <= start + len(payload)
 
 
+def _in_tensor(payload: bytes, pad: int) -> torch.Tensor:
+    """The payload as a slice of a larger tensor, as a receive buffer holds it."""
+    buf = torch.zeros(pad + len(payload) + 7, dtype=torch.uint8)
+    buf[pad:pad + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buf[pad:pad + len(payload)]
+
+
+ALIGNED = (torch.uint8, torch.int16, torch.float32, torch.float64, torch.complex128)
+
+
+@pytest.mark.parametrize("pad", [0, 64, 1, 6])
+def test_a_tensor_payload_decodes_to_views_of_that_tensor(pad):
+    batch = {str(t): torch.arange(24).to(t).reshape(2, 12) for t in ALIGNED}
+    batch.update(n=np.arange(9, dtype="<f8"), b=b"x" * 5000, s="text", u=torch.tensor(3, dtype=torch.bfloat16))
+    payload = _in_tensor(encode(batch), pad)
+    out = decode(payload)
+    assert same(batch, out)
+    base = payload.untyped_storage().data_ptr()
+    for dtype in ALIGNED:
+        shared = out[str(dtype)].untyped_storage().data_ptr() == base
+        assert shared == (pad % dtype.itemsize == 0), dtype  # copied only where a view cannot be aligned
+    out["torch.float32"].add_(1)  # writable, and writes land in the payload's memory (a view)
+    assert same(decode(payload)["torch.float32"], batch["torch.float32"] + 1) == (pad % 4 == 0)
+
+
+def test_a_tensor_frame_parses_to_a_slice_of_itself():
+    from dpex.proto import worker_pb2 as wpb
+    from dpex.wire import build_frame, parse_frame
+    from dpex.wire.frame import payload_offset
+    payload = encode(torch.arange(100, dtype=torch.float32))
+    frame = build_frame(wpb.Batch(job_id=7, seq=3, epoch=1), payload)
+    tensor = _in_tensor(frame, 0)
+    meta, part = parse_frame(tensor)
+    start = payload_offset(frame[:40])
+    assert (meta.job_id, meta.seq, meta.epoch) == (7, 3, 1) and isinstance(part, torch.Tensor)
+    assert part.storage_offset() == start and bytes(part.numpy()) == payload
+    assert payload_offset(frame[:start - 1]) is None  # the head ends before the payload: not known
+    assert payload_offset(build_frame(wpb.Batch(job_id=7))) is None  # no payload
+
+
 def test_decoded_tensors_are_usable_and_arrays_writable():
     out = decode(encode((torch.arange(6).reshape(2, 3), np.zeros(3))))
     out[0].add_(1)
