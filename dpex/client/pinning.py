@@ -25,7 +25,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from dpex.client.stats import StatsMeter
-from dpex.client.streams import read_exactly
+from dpex.client.buffers import read_exactly
 from dpex.wire.codec import ALIGN
 from dpex.wire.frame import payload_offset
 

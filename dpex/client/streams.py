@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
+from dpex.client.buffers import FramePool
 from dpex.proto import worker_pb2 as wpb
 from dpex.errors import DpexWireError
 from dpex.rpc import channel
@@ -26,7 +27,7 @@ log = logging.getLogger("dpex.client")
 
 class Received(NamedTuple):
     address: str
-    frame: Any                    # bytes, bytearray or a uint8 tensor (dpex.wire.frame); None: the stream failed
+    frame: Any                    # bytes or a buffer (dpex.client.buffers); None: the stream failed
     error: BaseException | None = None
 
 
@@ -52,23 +53,6 @@ def _connect(address: str, port: int, key: bytes) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def read_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fills ``view`` from the socket (the kernel's copy only)."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise OSError("the worker closed the data socket")
-        got += n
-
-
-def read_frame(sock: socket.socket, nbytes: int) -> bytearray:
-    """A frame read into a buffer of our own."""
-    buf = bytearray(nbytes)
-    read_exactly(sock, memoryview(buf))
-    return buf
 
 
 def _follow(sock: socket.socket, pointer: bytes, read: Callable[[socket.socket, int], Any]) -> Any:
@@ -159,7 +143,7 @@ class StreamPool:
         self.host = host_id() if shared_memory else ""
         self.data_socket = True  # ask workers on other hosts for a data socket (dpex.worker.dataport)
         # How a frame on a data socket is read; pinning reads into pinned memory (dpex.client.pinning).
-        self.read_frame: Callable[[socket.socket, int], Any] = read_frame
+        self.read_frame: Callable[[socket.socket, int], Any] = FramePool()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()

@@ -3,9 +3,9 @@ already-encoded payload, and parsed without copying the payload.
 
 Worker processes build the whole frame, so the worker daemon forwards bytes
 and the trainer slices the payload out of the received message. A frame is
-bytes, a bytearray, or a 1-D uint8 torch tensor (a receive buffer in pinned
-memory, ``dpex.client.pinning``); a tensor frame's payload is a slice of the
-tensor itself. This module does not import torch.
+bytes, a buffer (a uint8 numpy array, ``dpex.client.buffers``) or a 1-D
+uint8 torch tensor (pinned memory, ``dpex.client.pinning``); a tensor
+frame's payload is a slice of the tensor itself. This module does not import torch.
 """
 from __future__ import annotations
 

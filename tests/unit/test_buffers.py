@@ -1,0 +1,60 @@
+"""Receive buffers for data-socket frames: reused only once nothing refers
+to the batch they hold, and never more than the pool may keep."""
+import gc
+import socket
+import threading
+
+import torch
+
+from dpex.client.buffers import FramePool, size_class
+from dpex.wire import decode, encode
+
+
+def _receive(pool: FramePool, payload: bytes):
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=a.sendall, args=(payload,))
+        sender.start()
+        frame = pool(b, len(payload))
+        sender.join()
+    return frame
+
+
+def _address(frame) -> int:
+    return frame.ctypes.data
+
+
+def test_a_buffer_is_reused_only_after_every_tensor_decoded_from_it_is_gone():
+    pool = FramePool()
+    first = torch.arange(300_000, dtype=torch.float32)
+    frame = _receive(pool, encode({"x": first}))
+    batch = decode(memoryview(frame))
+    where = _address(frame)
+    del frame
+    gc.collect()
+    assert pool.free_bytes == 0  # the batch still holds it
+    other = _receive(pool, encode({"x": torch.zeros(300_000)}))
+    assert _address(other) != where and batch["x"].equal(first)  # a new buffer: the batch is intact
+    del batch
+    gc.collect()
+    assert pool.free_bytes == size_class(len(memoryview(other)))
+    again = _receive(pool, encode({"x": torch.ones(300_000)}))
+    assert _address(again) == where and decode(memoryview(again))["x"].equal(torch.ones(300_000))
+    assert pool.free_bytes == 0
+
+
+def test_the_pool_keeps_at_most_its_limit():
+    pool = FramePool(keep_bytes=3 * size_class(1 << 20))
+    frames = [pool.take(1 << 20) for _ in range(5)]
+    del frames
+    gc.collect()
+    assert pool.free_bytes == 3 * size_class(1 << 20)
+    pool.clear()
+    assert pool.free_bytes == 0
+
+
+def test_size_classes_round_up_a_little():
+    for n in (1, 4095, 4096, 9_633_000, 38_535_000, 1 << 30):
+        c = size_class(n)
+        assert n <= c <= max(4096, n * 1.13) and c % 4096 == 0
+    assert size_class(38_535_000) == size_class(38_535_100)  # frames a few bytes apart share one
