@@ -166,6 +166,20 @@ class Big(Squares):
         self.blob = np.ones(6 << 20, dtype=np.uint8)
 
 
+class HeapChurn(Squares):
+    """Each sample allocates and frees buffers as image decoding does (over
+    glibc's default trim threshold, under the batch processes' mmap
+    threshold) and says how many page faults that took in its process."""
+
+    def __getitem__(self, i: int) -> dict:
+        import resource
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(8):
+            buf = bytearray(512 << 10)  # zero-filled: every page touched
+            del buf
+        return {"i": i, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
+
+
 class Counting(torch.utils.data.IterableDataset):
     """0..n-1, split across workers by get_worker_info() as torch's docs show."""
 

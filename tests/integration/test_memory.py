@@ -22,3 +22,17 @@ def test_batch_processes_do_not_grow_epoch_after_epoch():
             for _ in range(10):
                 assert len(list(dl)) == 4
             assert _rss_mb(child) - before < 16, "a batch process grew with the number of epochs"
+
+
+def test_batch_processes_reuse_freed_heap_instead_of_faulting_it_in_again():
+    # Batch processes map buffers of 1 MB or more whole (above); with glibc's
+    # trim threshold then fixed at 128 KB, every image-sized buffer freed at the
+    # heap's top was given back and faulted in again by the next sample: a
+    # third of a batch process's CPU on a JPEG pipeline (benchmarks/worker_rate.py).
+    with test_cluster(num_workers=1, processes=1) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:HeapChurn", n=64)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=8, timeout=60) as dl:
+            faults = [b["faults"].tolist() for b in dl]
+    assert len(faults) == 8
+    later = [f for batch in faults[2:] for f in batch]  # after the heap has grown once
+    assert max(later) < 64, f"page faults per sample: {later}"  # 8 x 512 KB faulted in again: ~800
