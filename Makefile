@@ -49,6 +49,7 @@ bench: setup
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/scaleout.py
 	$(PY) benchmarks/scaleout.py --within
+	$(PY) benchmarks/worker_rate.py
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/first_batch.py
 	$(PY) benchmarks/compression.py
