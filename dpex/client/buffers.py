@@ -48,7 +48,7 @@ class FramePool:
         self._keep = keep_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
         self._free_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection inside the lock may give a buffer back
 
     @property
     def free_bytes(self) -> int:
