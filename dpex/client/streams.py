@@ -116,6 +116,8 @@ class _Stream:
             error = e
         except (OSError, ValueError, DpexWireError) as e:
             error = ConnectionError(f"data socket to worker {self.address}: {e}")
+        except Exception as e:  # e.g. no memory for a frame: a failed stream, asked again, never a silent stop
+            error = ConnectionError(f"receiving from worker {self.address}: {type(e).__name__}: {e}")
         if not self._closing:
             self._results.put(Received(self.address, None, error))
 

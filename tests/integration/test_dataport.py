@@ -98,3 +98,22 @@ def test_frames_read_into_tensors_arrive_as_views_of_them_and_a_broken_socket_lo
                 assert storage.nbytes() > b["x"].nbytes + b["y"].nbytes
                 assert b["x"].storage_offset() * 4 % 64 == 0 and b["y"].storage_offset() * 8 % 64 == 0
         assert all(s is not None for s in sockets(dl))
+
+
+def test_a_frame_that_cannot_be_received_is_a_failed_stream_asked_again(cluster, caplog):
+    """An error in the receiving thread (here: no memory for a frame) fails
+    that stream and its batches are asked for again; it never stops the
+    thread silently, leaving the epoch waiting for batches that never come."""
+    with dpex.RemoteDataLoader(cluster.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+        pool, calls = dl._res.streams, []
+        read = pool.read_frame
+
+        def short_of_memory(sock, nbytes):
+            calls.append(nbytes)
+            if len(calls) == 3:
+                raise MemoryError(f"cannot allocate {nbytes} bytes")
+            return read(sock, nbytes)
+        pool.read_frame = short_of_memory
+        with caplog.at_level(logging.WARNING, logger="dpex.client"):
+            assert epoch(dl) == list(range(24))  # exactly once, in order
+    assert "MemoryError: cannot allocate" in caplog.text
