@@ -72,9 +72,15 @@ class PinnedFrames:
         head = sock.recv(min(nbytes, self._HEAD), socket.MSG_PEEK | socket.MSG_WAITALL)
         start = payload_offset(head)
         pad = -start % ALIGN if start is not None else 0  # else tensors needing alignment are copied
+        buf = None
         if self._target is not None:
             torch.accelerator.set_device_index(self._target.device_index)  # this thread's device
-        buf = torch.empty(pad + nbytes, dtype=torch.uint8, pin_memory=self._target is not None)
+            try:
+                buf = torch.empty(pad + nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no page-locked memory left: the pinning thread tries, and says why
+                pass
+        if buf is None:
+            buf = torch.empty(pad + nbytes, dtype=torch.uint8)
         read_exactly(sock, memoryview(buf.numpy())[pad:])
         return buf[pad:]
 

@@ -10,12 +10,13 @@ from dpex.client.buffers import FramePool, size_class
 from dpex.wire import decode, encode
 
 
-def _receive(pool: FramePool, payload: bytes):
+def _receive(read, payload: bytes):
+    """The frame ``read`` (a FramePool, PinnedFrames) makes of ``payload`` sent on a socket."""
     a, b = socket.socketpair()
     with a, b:
         sender = threading.Thread(target=a.sendall, args=(payload,))
         sender.start()
-        frame = pool(b, len(payload))
+        frame = read(b, len(payload))
         sender.join()
     return frame
 
@@ -58,3 +59,27 @@ def test_size_classes_round_up_a_little():
         c = size_class(n)
         assert n <= c <= max(4096, n * 1.13) and c % 4096 == 0
     assert size_class(38_535_000) == size_class(38_535_100)  # frames a few bytes apart share one
+
+
+def test_pinned_frames_align_the_payload_and_fall_back_to_plain_memory(monkeypatch):
+    from dpex.client.pinning import PinnedFrames, PinTarget
+    from dpex.proto import worker_pb2 as wpb
+    from dpex.wire import build_frame, parse_frame
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    real_empty, asked = torch.empty, []
+
+    def no_pinned_memory_left(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", no_pinned_memory_left)
+    x = torch.arange(50_000, dtype=torch.float64)
+    frame = _receive(PinnedFrames(PinTarget("cuda", 0)), build_frame(wpb.Batch(seq=5), encode({"x": x})))
+    assert asked == [True, False]  # pinned first; plain memory, and the pinning thread will say why
+    meta, payload = parse_frame(frame)
+    got = decode(payload)["x"]
+    assert meta.seq == 5 and got.equal(x)
+    assert got.untyped_storage().data_ptr() == frame.untyped_storage().data_ptr()  # a view, no copy
+    assert got.storage_offset() * 8 % 64 == 0  # the payload was placed 64-byte aligned
+
