@@ -70,7 +70,7 @@ class FramePool:
         if mm is None:
             mm = mmap.mmap(-1, cls)
         frame = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        weakref.finalize(frame, self._give_back, cls, mm)
+        weakref.finalize(frame, self._give_back, cls, mm).atexit = False  # nothing to give back at exit
         return frame
 
     def _give_back(self, cls: int, mm: mmap.mmap) -> None:
