@@ -67,8 +67,8 @@ class FramePool:
             mm = spare.pop() if spare else None
             if mm is not None:
                 self._free_bytes -= cls
-        if mm is None:
-            mm = mmap.mmap(-1, cls)
+        if mm is None:  # private: a child forked meanwhile keeps its own copy of what it holds
+            mm = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE)
         frame = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         weakref.finalize(frame, self._give_back, cls, mm).atexit = False  # nothing to give back at exit
         return frame

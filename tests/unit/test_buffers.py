@@ -1,6 +1,7 @@
 """Receive buffers for data-socket frames: reused only once nothing refers
 to the batch they hold, and never more than the pool may keep."""
 import gc
+import os
 import socket
 import threading
 
@@ -42,6 +43,27 @@ def test_a_buffer_is_reused_only_after_every_tensor_decoded_from_it_is_gone():
     again = _receive(pool, encode({"x": torch.ones(300_000)}))
     assert _address(again) == where and decode(memoryview(again))["x"].equal(torch.ones(300_000))
     assert pool.free_bytes == 0
+
+
+def test_a_child_forked_while_a_batch_is_held_keeps_its_own_copy():
+    pool = FramePool()
+    frame = _receive(pool, encode({"x": torch.zeros(300_000)}))
+    where, batch = _address(frame), decode(memoryview(frame))
+    del frame
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: once the parent has reused the buffer, is its batch still zeros?
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0 if not batch["x"].numpy().any() else 1)
+    os.close(r)
+    del batch
+    gc.collect()
+    again = _receive(pool, encode({"x": torch.ones(300_000)}))
+    assert _address(again) == where  # the same buffer, overwritten here
+    os.write(w, b"x")
+    os.close(w)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def test_the_pool_keeps_at_most_its_limit():
