@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dpex.errors import DpexWireError
+from dpex.wire.frame import frame_view
 
 MAGIC = b"DPX1"
 ALIGN = 64
@@ -220,7 +221,7 @@ def _namedtuple(path: str, fields: list[str]) -> type:
 def decode(payload: bytes | bytearray | memoryview | torch.Tensor) -> Any:
     """Decodes a payload made by :func:`encode` (bytes, or a 1-D uint8 tensor);
     tensors share its memory."""
-    view = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else memoryview(payload)
+    view = frame_view(payload)
     if view.nbytes < _PREFIX.size:
         raise DpexWireError("corrupt batch payload: too short")
     magic, header_len = _PREFIX.unpack_from(view, 0)

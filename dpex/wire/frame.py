@@ -10,7 +10,7 @@ frame's payload is a slice of the tensor itself. This module does not import tor
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 from dpex.errors import DpexWireError
 from dpex.proto import worker_pb2 as wpb
@@ -63,25 +63,34 @@ def frame_view(frame: Any) -> memoryview:
     return memoryview(frame.numpy()) if is_tensor(frame) else memoryview(frame)
 
 
+def _fields(view: memoryview) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field, wire type, start, value start, end) of each field of a
+    serialized message; ``end`` may lie past ``view`` (a truncated field)."""
+    pos = 0
+    while pos < len(view):
+        start = pos
+        key, pos = _read_varint(view, pos)
+        field, wire_type = key >> 3, key & 7
+        value = pos
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 2:
+            length, value = _read_varint(view, pos)
+            pos = value + length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise DpexWireError(f"corrupt batch frame: wire type {wire_type}")
+        yield field, wire_type, start, value, pos
+
+
 def payload_offset(head: Any) -> int | None:
     """Where the payload's bytes begin in a frame of which ``head`` is the
     start (None: not within ``head``, or no payload)."""
-    view, pos = memoryview(head), 0
     try:
-        while pos < len(view):
-            key, pos = _read_varint(view, pos)
-            wire_type = key & 7
-            if wire_type == 0:
-                _, pos = _read_varint(view, pos)
-            elif wire_type == 2:
-                length, pos = _read_varint(view, pos)
-                if key >> 3 == 1:
-                    return pos
-                pos += length
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            else:
-                return None
+        for field, wire_type, _, value, _ in _fields(memoryview(head)):
+            if field == 1 and wire_type == 2:
+                return value
     except DpexWireError:  # the head ends inside a varint
         return None
     return None
@@ -91,29 +100,14 @@ def parse_frame(frame: Any) -> tuple[wpb.Batch, Any]:
     """Splits a frame into its metadata and a zero-copy view of the payload
     (for a tensor frame, a slice of that tensor)."""
     view = frame_view(frame)
-    pos, meta_parts, payload = 0, [], view[0:0]
-    while pos < len(view):
-        start = pos
-        key, pos = _read_varint(view, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = _read_varint(view, pos)
-        elif wire_type == 2:
-            length, pos = _read_varint(view, pos)
-            if pos + length > len(view):
-                raise DpexWireError("corrupt batch frame: truncated field")
-            if field == 1:
-                payload = frame[pos:pos + length] if is_tensor(frame) else view[pos:pos + length]
-                pos += length
-                continue
-            pos += length
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
+    meta_parts, payload = [], view[0:0]
+    for field, wire_type, start, value, end in _fields(view):
+        if wire_type == 2 and end > len(view):
+            raise DpexWireError("corrupt batch frame: truncated field")
+        if field == 1 and wire_type == 2:
+            payload = frame[value:end] if is_tensor(frame) else view[value:end]
         else:
-            raise DpexWireError(f"corrupt batch frame: wire type {wire_type}")
-        meta_parts.append(view[start:pos])
+            meta_parts.append(view[start:end])
     try:
         meta = wpb.Batch.FromString(b"".join(meta_parts))
     except Exception as e:
