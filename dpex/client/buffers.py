@@ -78,8 +78,3 @@ class FramePool:
             if self._free_bytes + cls <= self._keep:
                 self._free.setdefault(cls, []).append(mm)
                 self._free_bytes += cls
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
