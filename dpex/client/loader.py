@@ -16,7 +16,6 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-import cloudpickle
 import torch.utils.data as tud
 
 from dpex.client import checkpoint
@@ -38,6 +37,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call, channel
+from dpex.wire import callables
 
 log = logging.getLogger("dpex.client")
 
@@ -203,10 +203,10 @@ class RemoteDataLoader:
         self._meter = StatsMeter()
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
-        job = dpb.JobDef(name=job_name or "", dataset=cloudpickle.dumps(spec),
-                         collate=cloudpickle.dumps(collate_fn) if collate_fn is not None else b"",
+        job = dpb.JobDef(name=job_name or "", dataset=callables.dumps(spec),
+                         collate=callables.dumps(collate_fn) if collate_fn is not None else b"",
                          num_consumers=num_consumers, persistent_workers=persistent_workers,
-                         worker_init_fn=cloudpickle.dumps(worker_init_fn) if worker_init_fn else b"",
+                         worker_init_fn=callables.dumps(worker_init_fn) if worker_init_fn else b"",
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression)
         derived_name = not job.name and num_consumers > 1 and run is not None
         if derived_name:

@@ -97,16 +97,16 @@ def load_job(job_id: int, job_path: str) -> _Job:
     if job_id in _jobs:
         _jobs.move_to_end(job_id)
         return _jobs[job_id]
-    import cloudpickle
     from torch.utils.data import default_collate
 
     from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.wire import callables
     with open(job_path, "rb") as f:
         job = dpb.JobDef.FromString(f.read())
-    spec = cloudpickle.loads(job.dataset)
+    spec = callables.loads(job.dataset)
     dataset = spec.build()
-    _jobs[job_id] = _Job(dataset, cloudpickle.loads(job.collate) if job.collate else default_collate,
-                         cloudpickle.loads(job.worker_init_fn) if job.worker_init_fn else None,
+    _jobs[job_id] = _Job(dataset, callables.loads(job.collate) if job.collate else default_collate,
+                         callables.loads(job.worker_init_fn) if job.worker_init_fn else None,
                          job.persistent_workers, job.batch_size, job.drop_last, job.compression,
                          *describe_dataset(dataset))
     while len(_jobs) > _MAX_CACHED_JOBS:
