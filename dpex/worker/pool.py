@@ -1,244 +1,24 @@
-"""The worker's process pool: dataset[i] -> collate -> encode -> frame.
-
-Each child builds the job's dataset once from the job file, and returns a
-complete ``Batch`` frame (payload or error), so the daemon only forwards
-bytes. Spawned, not forked: the daemon runs gRPC threads.
-"""
+"""The worker's process pool (daemon side): N spawned processes that run
+dpex.worker.runtime, so the daemon only forwards the bytes they return.
+Spawned, not forked: the daemon runs gRPC threads."""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
-import signal
 import threading
-import traceback
-from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
-from dpex.procutil import die_with_parent, map_big_buffers
-from dpex.dataset import describe_dataset
-from dpex.worker import handoff
-from dpex.worker.handoff import Handoff
+from dpex.worker import handoff, runtime
+from dpex.worker.runtime import Task
 
 log = logging.getLogger("dpex.worker")
 
-_MAX_CACHED_JOBS = 8
+__all__ = ["BatchPool", "crash_frame"]
 
 
-class Task(NamedTuple):
-    job_id: int
-    job_path: str
-    consumer_index: int
-    epoch: int
-    seq: int
-    indices: list[int]
-    base_seed: int = 0
-
-
-# ---- child side ------------------------------------------------------------
-_worker_address = ""
-_child_index, _num_children = 0, 1
-_handoff_dir: str | None = None
-_handoff_min_bytes = handoff.MIN_BYTES
-_produced = 0
-_arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
-
-
-class _Job(NamedTuple):
-    dataset: Any
-    collate: Callable[[list], Any]
-    worker_init_fn: Callable[[int], None] | None
-    persistent: bool
-    batch_size: int
-    drop_last: bool
-    compression: str = ""
-    length: int = -1       # len(dataset); -1: no __len__
-    fingerprint: str = ""  # the dataset's own fingerprint, if it has one
-
-
-class _Context(NamedTuple):
-    """What torch gives one DataLoader worker: its WorkerInfo and RNG streams."""
-    info: Any
-    rng: list  # [python random state, torch state, numpy state], saved on switch
-
-
-_jobs: OrderedDict[int, _Job] = OrderedDict()
-_contexts: OrderedDict[tuple, _Context] = OrderedDict()
-_current: tuple | None = None
-
-
-def _init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None,
-                handoff_min_bytes: int, daemon_pid: int | None = None) -> None:
-    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes
-    with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
-        _child_index = counter.value
-        counter.value += 1
-    _num_children = num_children
-    _handoff_dir, _handoff_min_bytes = handoff_dir, handoff_min_bytes
-    init_process(worker_address, daemon_pid)
-
-
-def init_process(worker_address: str, daemon_pid: int | None = None) -> None:
-    """Set-up of every process that runs user code for a worker."""
-    global _worker_address
-    _worker_address = worker_address
-    # Even if the daemon is SIGKILLed; and at once if it died while this
-    # process was starting (children start without the daemon waiting for them).
-    die_with_parent(daemon_pid)
-    map_big_buffers()  # batches are mapped and unmapped whole: they cannot fragment the heap
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
-    import torch
-    torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
-
-
-def load_job(job_id: int, job_path: str) -> _Job:
-    if job_id in _jobs:
-        _jobs.move_to_end(job_id)
-        return _jobs[job_id]
-    from torch.utils.data import default_collate
-
-    from dpex.proto import dispatcher_pb2 as dpb
-    from dpex.wire import callables
-    with open(job_path, "rb") as f:
-        job = dpb.JobDef.FromString(f.read())
-    spec = callables.loads(job.dataset)
-    dataset = spec.build()
-    _jobs[job_id] = _Job(dataset, callables.loads(job.collate) if job.collate else default_collate,
-                         callables.loads(job.worker_init_fn) if job.worker_init_fn else None,
-                         job.persistent_workers, job.batch_size, job.drop_last, job.compression,
-                         *describe_dataset(dataset))
-    while len(_jobs) > _MAX_CACHED_JOBS:
-        _jobs.popitem(last=False)
-    return _jobs[job_id]
-
-
-def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
-    """Makes this process the job's worker ``_child_index`` for ``epoch``, as
-    torch's DataLoader does for its workers: seeds ``base_seed + id`` (numpy
-    through torch's seed sequence), WorkerInfo, then ``worker_init_fn(id)``.
-    A process serving several jobs keeps each one's RNG streams apart."""
-    global _current
-    import random
-
-    import numpy as np
-    import torch
-    from torch.utils.data._utils import worker as torch_worker
-    key = (job_id,) if job.persistent else (job_id, epoch)
-    if key == _current:
-        return
-    if _current in _contexts:
-        _contexts[_current].rng[:] = [random.getstate(), torch.get_rng_state(), np.random.get_state()]
-    context = _contexts.get(key)
-    _current = key
-    if context is not None:
-        _contexts.move_to_end(key)
-        random.setstate(context.rng[0])
-        torch.set_rng_state(context.rng[1])
-        np.random.set_state(context.rng[2])
-        torch_worker._worker_info = context.info
-        return
-    _contexts[key] = _Context(become_worker(job, base_seed, _child_index, _num_children), [])
-    while len(_contexts) > 4 * _MAX_CACHED_JOBS:
-        _contexts.popitem(last=False)
-    if job.worker_init_fn is not None:
-        job.worker_init_fn(_child_index)
-
-
-def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -> Any:
-    """torch's worker set-up: seeds from ``base_seed + id`` and WorkerInfo."""
-    import random
-
-    import numpy as np
-    import torch
-    from torch.utils.data._utils import worker as torch_worker
-    seed = base_seed + worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-    info = torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=job.dataset)
-    torch_worker._worker_info = info
-    return info
-
-
-def collate(job: _Job, samples: list) -> Any:
-    """The job's collate_fn; torch's default_collate stacks into this
-    process's arena (dpex.worker.arena) instead of shared memory, so the
-    result must be encoded before the next call."""
-    from torch.utils.data import default_collate
-    if job.collate is not default_collate:
-        return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
-    global _arena
-    if _arena is None:  # only children collate: the daemon need not import torch
-        from dpex.worker.arena import Arena
-        _arena = Arena()
-    return _arena.collate(samples)
-
-
-def produce(task: Task) -> bytes | Handoff:
-    """Runs in a child: returns a whole Batch frame, with a payload or an
-    error (a large one as a hand-off file: see dpex.worker.handoff)."""
-    global _produced
-    from dpex.proto import worker_pb2 as wpb
-    from dpex.wire import encode_parts, frame_parts
-    from dpex.wire.compression import compress
-    meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
-                     epoch=task.epoch, seq=task.seq)
-    stage, index = "build", -1
-    try:
-        job = load_job(task.job_id, task.job_path)
-        meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
-        stage = "worker_init_fn"
-        _enter(task.job_id, task.epoch, task.base_seed, job)
-        stage, samples = "getitem", []
-        for index in task.indices:
-            samples.append(job.dataset[index])
-        stage, index = "collate", -1
-        batch = collate(job, samples)
-        stage = "encode"
-        parts = encode_parts(batch)
-        if job.compression:
-            meta.raw_size = sum(memoryview(p).nbytes for p in parts)
-            meta.compression = job.compression
-            parts = [compress(job.compression, parts)]
-    except Exception as e:
-        meta.error.CopyFrom(remote_error(e, stage, index))
-        return meta.SerializeToString()
-    parts = frame_parts(meta, parts)
-    if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= _handoff_min_bytes:
-        _produced += 1
-        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0], _num_children)
-        if sent is not None:
-            return sent
-    return b"".join(parts)
-
-
-def remote_error(e: BaseException, stage: str, index: int = -1):
-    from dpex.proto import worker_pb2 as wpb
-    return wpb.RemoteError(
-        type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
-        message=str(e), traceback=traceback.format_exc(), sample_index=index,
-        worker=_worker_address, stage=stage)
-
-
-def inspect(job_id: int, job_path: str) -> bytes:
-    """Runs in a child: builds the dataset and reports its length."""
-    from dpex.proto import worker_pb2 as wpb
-    try:
-        from torch.utils.data import IterableDataset
-        job = load_job(job_id, job_path)
-        return wpb.InspectResponse(length=job.length, iterable=isinstance(job.dataset, IterableDataset),
-                                   fingerprint=job.fingerprint).SerializeToString()
-    except Exception as e:
-        return wpb.InspectResponse(length=-1, error=remote_error(e, "build")).SerializeToString()
-
-
-def _warm_up() -> int:
-    return os.getpid()
-
-
-# ---- daemon side ------------------------------------------------------------
 class BatchPool:
     """A pool of N processes; a crashed child fails its batch, not the daemon."""
 
@@ -257,7 +37,7 @@ class BatchPool:
     def _start(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
-                                       initializer=_init_child,
+                                       initializer=runtime.init_child,
                                        initargs=(self._address, context.Value("i", 0), self._processes,
                                                  self.handoff_dir, self._handoff_min_bytes, os.getpid()))
         # Start every child now, not at the first batch, without waiting for
@@ -265,7 +45,7 @@ class BatchPool:
         # for waits for a child, as it would anyway. Started from this thread:
         # a child dies with the thread that started it (PR_SET_PDEATHSIG).
         for _ in range(self._processes):
-            executor.submit(_warm_up)
+            executor.submit(runtime.warm_up)
         return executor
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:

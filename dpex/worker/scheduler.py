@@ -31,7 +31,8 @@ from dpex.wire import build_frame
 from dpex.worker import handoff
 from dpex.worker.budget import Budget, Consumer, Turns
 from dpex.worker.meter import Meter
-from dpex.worker.pool import BatchPool, Task, crash_frame, produce
+from dpex.worker.pool import BatchPool, crash_frame
+from dpex.worker.runtime import Task, produce
 from dpex.worker.stream import StreamRunner
 from dpex.log import fields
 

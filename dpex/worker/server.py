@@ -23,7 +23,8 @@ from dpex.worker import handoff
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.dataport import DataPort
 from dpex.worker.meter import Meter
-from dpex.worker.pool import BatchPool, inspect
+from dpex.worker.pool import BatchPool
+from dpex.worker.runtime import inspect
 from dpex.worker.scheduler import Scheduler
 from dpex.worker.service import WorkerService
 

@@ -20,7 +20,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, frame_parts, parse_frame
 from dpex import wire
-from dpex.worker import pool
+from dpex.worker import runtime
 from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
@@ -35,7 +35,7 @@ def _meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
 
 def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> None:
     """The stream process: iterate, batch, send a frame per credit, then the end."""
-    pool.init_process(worker_address)
+    runtime.init_process(worker_address)
     credits = 0
 
     def send(frame: bytes) -> bool:
@@ -54,9 +54,9 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
 
     j, stage = split["next"], "build"
     try:
-        job = pool.load_job(split["job_id"], job_path)
+        job = runtime.load_job(split["job_id"], job_path)
         stage = "worker_init_fn"
-        pool.become_worker(job, split["base_seed"], split["stream"], split["num_streams"])
+        runtime.become_worker(job, split["base_seed"], split["stream"], split["num_streams"])
         if job.worker_init_fn is not None:
             job.worker_init_fn(split["stream"])
         stateful = callable(getattr(job.dataset, "state_dict", None))
@@ -73,14 +73,14 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
             stage = "state_dict"
             state = cloudpickle.dumps(job.dataset.state_dict()) if stateful else b""
             stage = "collate"
-            collated = pool.collate(job, batch)
+            collated = runtime.collate(job, batch)
             stage = "encode"
             frame = b"".join(frame_parts(_meta(split, j, stream_state=state), wire.encode_parts(collated)))
             if not send(frame):
                 return
             j += 1
     except Exception as e:
-        meta = _meta(split, j, error=pool.remote_error(e, stage))
+        meta = _meta(split, j, error=runtime.remote_error(e, stage))
         if not send(meta.SerializeToString()):
             return
         j += 1
