@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
-from benchmarks.measure import cpu_s, peak_rss_mb, reset_peak, tree  # noqa: E402
+from benchmarks.measure import peak_rss_mb, reset_peak, tree  # noqa: E402
 from benchmarks.pipeline import ImageFolder, make_images  # noqa: E402
 
 

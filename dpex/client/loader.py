@@ -234,7 +234,7 @@ class RemoteDataLoader:
             self.address = address
             self._target = f"dispatcher {address}"
             self._res.channel = channel(address, token, ca)
-            self._res.stub = stub = dgrpc.DispatcherStub(self._res.channel)
+            self._res.stub = dgrpc.DispatcherStub(self._res.channel)
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "

@@ -12,7 +12,6 @@ import secrets
 import threading
 import time
 
-import grpc
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.store import Store

@@ -468,7 +468,6 @@ class DispatcherState:
             job_id = self.splits[split_id].job_id
             held[job_id] = held.get(job_id, 0) + 1
         # One cursor per (job, consumer): the next split it would hand out.
-        heads: list[tuple[int, tuple, int, Plan, int]] = []
         pending: dict[int, list] = {}
         for job in self.jobs.values():
             for consumer, plan in job.plans.items():

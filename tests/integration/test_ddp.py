@@ -6,10 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import channel

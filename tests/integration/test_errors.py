@@ -5,7 +5,6 @@ import os
 import re
 
 import pytest
-import torch
 from torch.utils.data import SequentialSampler
 
 import dpex

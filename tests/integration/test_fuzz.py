@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 import dpex
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import CHANNEL_OPTIONS
 
 DISPATCHER_METHODS = ["RegisterWorker", "WorkerHeartbeat", "DeregisterWorker", "GetOrCreateJob", "GetJob",

@@ -1,7 +1,6 @@
 """RemoteDataLoader yields, element for element, what torch's DataLoader yields."""
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, Sampler,

@@ -3,7 +3,6 @@ and the next epochs exactly as an uninterrupted one would — after a clean
 stop, and after the checkpointing trainer was SIGKILLed past its checkpoint
 (with a worker killed, or the dispatcher restarted from its journal, meanwhile)."""
 import io
-import os
 import random
 import signal
 import subprocess

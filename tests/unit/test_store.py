@@ -79,7 +79,7 @@ def run(path, epochs, compact_bytes=4096):
 @pytest.mark.parametrize("compact_bytes", [4096, 256 << 10])
 def test_disk_and_restart_follow_the_live_state_not_the_history(tmp_path, compact_bytes):
     short, long = tmp_path / "short", tmp_path / "long"
-    a, b = run(short, 10, compact_bytes), run(long, 1000, compact_bytes)
+    _, b = run(short, 10, compact_bytes), run(long, 1000, compact_bytes)
     # Between epochs the log holds at most half a snapshot, whatever the threshold.
     assert disk(long) <= 1.5 * disk(short)
     again = Store(str(long), 4096)
