@@ -21,19 +21,16 @@ from dpex.errors import (DpexCancelledError, DpexConfigError, DpexError, DpexTim
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
+from dpex.client import decode
 from dpex.client.checkpoint import Progress
-from dpex.plan.seq import stream_seq_exists, streams_limit
+from dpex.client.ledger import Ledger
+from dpex.client.router import Router
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
-from dpex.wire import decode, parse_frame
-from dpex.wire.frame import frame_view
-from dpex.wire.compression import decompress
-from dpex.worker import handoff
 
 log = logging.getLogger("dpex.client")
 
 _WAIT_LOG_S = 30.0
-_BROKEN_BACKOFF_S = 1.0  # a worker whose stream failed is not asked again before this
 _MAX_CORRUPT = 3         # corrupt frames from one worker in an epoch before the epoch fails
 
 
@@ -180,7 +177,9 @@ class _Exit:
 class EpochFetcher:
     """The iterator of one epoch of one consumer. Closed at its end; dropped
     or closed before (a ``break``, a new ``iter()``), the epoch is left: the
-    dispatcher and the workers forget it."""
+    dispatcher and the workers forget it. The glue of a Ledger (where each
+    batch stands), a Router (whom to ask), the streams (dpex.client.streams)
+    and the control thread; and the policy for failed streams and corrupt frames."""
 
     def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
@@ -196,39 +195,26 @@ class EpochFetcher:
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
-        self._num = num_batches
         self._dataset = dataset
         self._n = num_streams
         self._window = window
-        self._group = max(1, window // 4)
+        self._group = max(1, window // 4)  # credits go out in groups: one message per group
         self._ordered = ordered
         self._timeout_s = timeout_s
-        self._owner: dict[int, str] = {}
-        self._broken: dict[str, float] = {}        # address -> monotonic time to retry it
-        self._requested: dict[int, str] = {}      # seq -> worker address
-        self._received: dict[int, tuple[wpb.Batch, Any, int]] = {}  # seq -> (meta, batch, bytes)
-        self._corrupt: dict[str, int] = {}         # address -> corrupt frames it sent
-        self._failures: dict[str, int] = {}        # address -> failed streams to it
-        self._retry: set[int] = set()
-        self._cursor = 0                           # next seq never requested
-        self._next = 0                             # next seq to yield (ordered)
-        self._delivered: set[int] = set()          # received once: later copies are duplicates
-        self._low = 0                              # lowest seq not received yet
         self.progress = progress or Progress()
-        self._resumed = self.progress.seqs()       # given before a checkpoint: not asked for
-        self._delivered |= self._resumed
-        self._yielded = len(self._resumed)
-        self._workers_alive = -1
+        self._ledger: Ledger[tuple[wpb.Batch, Any, int]] = Ledger(num_batches, num_streams, self.progress)
+        self._router = Router(num_streams)
+        self._corrupt: dict[str, int] = {}  # address -> corrupt frames it sent
         self._meter = meter or StatsMeter()
         self._closed = False
         self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
                                 self._meter.recent_need)
+        self._control.next_seq = self._ledger.low
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)
         self._finalizer = weakref.finalize(self, self._exit)
-        self._advance_low()
 
     def __iter__(self) -> "EpochFetcher":
         return self
@@ -241,24 +227,7 @@ class EpochFetcher:
     def __len__(self) -> int:
         if self._n:
             raise TypeError("an IterableDataset epoch has no length")
-        return self._num
-
-    # ---- plan (map-style) or streams (IterableDataset) ----------------------
-    def _limit(self) -> int | None:
-        """Seqs from here on do not exist; None while a stream may go on."""
-        return streams_limit(self._n, self.progress.ends) if self._n else self._num
-
-    def _exists(self, seq: int) -> bool:
-        return stream_seq_exists(seq, self._n, self.progress.ends) if self._n else seq < self._num
-
-    def _total(self) -> int | None:
-        if not self._n:
-            return self._num
-        ends = self.progress.ends
-        return sum(ends.values()) if len(ends) == self._n else None
-
-    def _owner_key(self, seq: int) -> int:
-        return seq % self._n if self._n else seq
+        return self._ledger.num
 
     def __next__(self) -> Any:
         asked_at = time.monotonic()
@@ -284,14 +253,14 @@ class EpochFetcher:
         while True:
             if self._interrupted:
                 raise StopIteration
-            item = self._pop_ready()
+            item = self._ledger.pop_ready(self._ordered)
             if item is not None:
                 return self._finish(item)
-            if self._yielded == self._total():
+            if self._ledger.finished:
                 self._exit.finished = True
                 self.close()
                 raise StopIteration
-            self._top_up()
+            self._send(self._ledger.asks(self._window, self._group, self._ordered, self._router.route))
             try:
                 got = self._results.get(timeout=1.0)
             except queue.Empty:
@@ -308,30 +277,18 @@ class EpochFetcher:
 
     # ---- internals ------------------------------------------------------------
     def _waiting_for(self, what: str) -> str:
-        missing = (sorted(set(self._requested) | self._retry) if self._n
-                   else [s for s in range(self._num) if s not in self._delivered])
+        missing = self._ledger.missing()
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        alive = self._router.workers_alive
         return (f"job {self._job_id} consumer {self._consumer} epoch {self._epoch}: {what}; "
                 f"{len(missing)} batches missing (seq {shown}); "
-                f"workers alive: {self._workers_alive if self._workers_alive >= 0 else 'unknown'}")
-
-    def _pop_ready(self) -> tuple[wpb.Batch, Any, int] | None:
-        if self._ordered:
-            limit = self._limit()
-            while (not self._exists(self._next) or self._next in self._resumed) and (
-                    limit is None or self._next < limit):
-                self._next += 1  # a finished stream's turn: torch skips exhausted workers too
-            return self._received.pop(self._next, None)
-        if self._received:
-            return self._received.pop(next(iter(self._received)))
-        return None
+                f"workers alive: {alive if alive >= 0 else 'unknown'}")
 
     def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
-        self._yielded += 1
+        self._ledger.given(meta.seq, self._ordered)
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
-        self._next = meta.seq + 1 if self._ordered else self._next
         if meta.HasField("error"):
             self.close()
             raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
@@ -340,62 +297,19 @@ class EpochFetcher:
     def _send(self, asks: dict[str, list[int]]) -> None:
         """One request per worker, naming every batch asked of it."""
         for address, seqs in asks.items():
-            for seq in seqs:
-                self._requested[seq] = address
             self._streams.send(address, wpb.FetchRequest(
                 job_id=self._job_id, consumer_index=self._consumer, epoch=self._epoch,
                 seq=seqs[0], more_seqs=seqs[1:]))
 
-    def _top_up(self) -> None:
-        outstanding = len(self._requested) + len(self._received)
-        # The next batch in order is always asked for, whatever the window: a
-        # window full of later batches must not block the one we wait for.
-        urgent = self._next if self._ordered else -1
-        # Credits go out in groups once a quarter of the window is free: one
-        # message (and one wake-up of each thread on its way) per group.
-        room = self._window - outstanding >= self._group
-        asks: dict[str, list[int]] = {}
-        for seq in sorted(self._retry):
-            address = self._route(seq)
-            if address is not None and (outstanding < self._window or seq == urgent):
-                self._retry.discard(seq)
-                asks.setdefault(address, []).append(seq)
-                outstanding += 1
-        limit = self._limit()
-        while (limit is None or self._cursor < limit) and (
-                (room and outstanding < self._window) or self._cursor == urgent):
-            if not self._exists(self._cursor) or self._cursor in self._resumed:
-                self._cursor += 1
-                continue
-            address = self._route(self._cursor)
-            if address is None:
-                break
-            asks.setdefault(address, []).append(self._cursor)
-            self._cursor += 1
-            outstanding += 1
-        self._send(asks)
-
-    def _route(self, seq: int) -> str | None:
-        address = self._owner.get(self._owner_key(seq))
-        if address is not None and address in self._broken:
-            if time.monotonic() < self._broken[address]:
-                return None
-            del self._broken[address]
-        return address
-
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
+        ledger = self._ledger
         if isinstance(got, _Owners):
-            self._workers_alive = self._meter.workers_alive = got.response.workers_alive
-            self._owner = {}
-            for o in got.response.owners:
-                if self._n:
-                    self._owner[o.first_seq] = o.worker_address  # a stream
-                for seq in range(o.first_seq, o.first_seq + o.num_batches):
-                    self._owner[seq] = o.worker_address
+            self._router.update(got.response)
+            self._meter.workers_alive = self._router.workers_alive
             # A request to a worker that no longer owns the batch (lost, maybe
             # frozen with its connection still open) will not be answered.
-            self._reroute(lambda seq, address: self._owner.get(self._owner_key(seq)) != address)
+            ledger.reroute(lambda seq, address: self._router.owner(seq) != address)
             return False
         if isinstance(got, _Failed):
             self.close()
@@ -404,15 +318,14 @@ class EpochFetcher:
             return False
         assert isinstance(got, Received)
         if got.frame is None:
-            failures = self._failures[got.address] = self._failures.get(got.address, 0) + 1
+            failures = self._router.stream_failed(got.address)
             if failures % 10 == 1:  # a dead worker fails every backoff until the dispatcher notices
                 log.warning("stream to worker %s failed (%s, %d times); asking for its batches again",
                             got.address, describe(got.error), failures)
-            self._broken[got.address] = time.monotonic() + _BROKEN_BACKOFF_S
             self._restart_stream(got.address)
             return False
         try:
-            meta, payload = parse_frame(got.frame)
+            meta, payload = decode.header(got.frame)
         except DpexWireError as e:
             return self._corrupt_frame(got.address, None, e)
         if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
@@ -420,30 +333,29 @@ class EpochFetcher:
             return False  # from an earlier epoch or loader
         seq = meta.seq
         if meta.not_assigned:
-            if self._requested.get(seq) == got.address:
-                self._reroute(lambda s, address: s == seq, forget_owner=True)
+            # Not from that worker until the dispatcher names an owner; the same
+            # worker is asked again after a failed stream (it may be a blip).
+            if ledger.requested.get(seq) == got.address:
+                for moved, address in ledger.reroute(lambda s, address: s == seq):
+                    self._router.forget(moved, address)
             return False
         if meta.end_of_stream and self._n:
-            stream, end = seq % self._n, seq // self._n
-            self.progress.end_stream(stream, end)  # what the fetcher knows of ends, too
-            for s in [s for s in (*self._requested, *self._retry) if not self._exists(s)]:
-                self._requested.pop(s, None)
-                self._retry.discard(s)
-            self._advance_low()
+            ledger.end_stream(seq % self._n, seq // self._n)
+            self._control.next_seq = ledger.low
             return True
-        if seq in self._delivered or not self._exists(seq):
+        if not ledger.is_new(seq):
             drop_file(meta)
             return False  # a duplicate (e.g. re-sent after a reconnect)
         if meta.shm_path:  # a same-host worker's hand-off file: map it, no copy
             try:
-                meta, payload = parse_frame(handoff.map_frame(meta.shm_path, meta.shm_size))
+                meta, payload = decode.mapped(meta)
             except PermissionError as e:  # another user's worker: from now on, bytes over gRPC
                 log.warning("cannot map %s (%s); receiving batches over gRPC instead", meta.shm_path, e)
                 self._streams.host = ""
                 self._restart_stream(got.address)
                 return False
             except FileNotFoundError:  # its worker died and a successor cleaned up: ask again
-                self._ask_again(seq, got.address)
+                ledger.ask_again(seq, got.address)
                 return False
             except (OSError, DpexWireError) as e:
                 return self._corrupt_frame(got.address, seq, DpexWireError(f"hand-off file: {e}"))
@@ -457,17 +369,12 @@ class EpochFetcher:
         batch, size = None, len(payload)  # bytes received, compressed or not
         if not meta.HasField("error"):
             try:
-                if meta.compression:
-                    payload = decompress(meta.compression, frame_view(payload), meta.raw_size)
-                batch = decode(payload)
+                batch = decode.batch(meta, payload)
             except DpexWireError as e:
                 return self._corrupt_frame(got.address, seq, e)
-        self._requested.pop(seq, None)
-        self._retry.discard(seq)
-        self._delivered.add(seq)
-        self._received[seq] = (meta, batch, size)
+        ledger.receive(seq, (meta, batch, size))
         self._control.ack(seq)
-        self._advance_low()
+        self._control.next_seq = ledger.low
         return True
 
     def _corrupt_frame(self, address: str, seq: int | None, error: DpexWireError) -> bool:
@@ -483,39 +390,14 @@ class EpochFetcher:
         if seq is None:  # which batch it was is unknown: ask again for all that worker owes us
             self._restart_stream(address)
         else:
-            self._ask_again(seq, address)
+            self._ledger.ask_again(seq, address)
         return False
 
     def _restart_stream(self, address: str) -> None:
         """Closes the stream to a worker and asks again for all it owed us
         (over a new stream, once its backoff, if any, is over)."""
         self._streams.drop(address)
-        self._reroute(lambda seq, owed_by: owed_by == address)
-
-    def _ask_again(self, seq: int, address: str) -> None:
-        if self._requested.get(seq) == address:
-            del self._requested[seq]
-            self._retry.add(seq)
-
-    def _advance_low(self) -> None:
-        limit = self._limit()
-        while (self._low in self._delivered or not self._exists(self._low)) and (
-                limit is None or self._low < limit):
-            self._low += 1
-        self._control.next_seq = self._low
-
-    def _reroute(self, which: Callable[[int, str], bool], forget_owner: bool = False) -> None:
-        """Asks again for the requested batches ``which(seq, address)`` picks;
-        ``forget_owner``: not from that worker until the dispatcher names an owner
-        (it said it does not have the batch). Otherwise the same worker is asked
-        again after its backoff: a broken stream may be a blip, and a dead
-        worker's batches move when the dispatcher re-plans them."""
-        for seq, address in list(self._requested.items()):
-            if which(seq, address):
-                del self._requested[seq]
-                self._retry.add(seq)
-                if forget_owner and self._owner.get(self._owner_key(seq)) == address:
-                    del self._owner[self._owner_key(seq)]
+        self._ledger.reroute(lambda seq, owed_by: owed_by == address)
 
     def close(self) -> None:
         """Ends the epoch; before its last batch, that is leaving it."""

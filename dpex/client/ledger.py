@@ -1,0 +1,148 @@
+"""Where each batch of one consumer's epoch stands: asked of a worker, to be
+asked again, received and not yet given to the loop, delivered; and which to
+ask for next. Pure bookkeeping: no I/O, no clock, no threads (the fetcher
+does those), so each rule is tested on its own (tests/unit/test_ledger.py)."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+from dpex.client.checkpoint import Progress
+from dpex.plan.seq import stream_seq_exists, streams_limit
+
+T = TypeVar("T")
+
+
+class Ledger(Generic[T]):
+    """The batches (seqs) of one epoch. Map-style: seqs 0 .. ``num_batches`` - 1.
+    ``num_streams`` > 0 (an IterableDataset): batch j of stream k is seq j*N+k,
+    and a stream's length is known once it ends (``progress.ends``).
+    ``progress`` holds the seqs the loop was given; those of a checkpoint are
+    never asked for again."""
+
+    def __init__(self, num_batches: int, num_streams: int, progress: Progress) -> None:
+        self.num, self.n = num_batches, num_streams
+        self.progress = progress
+        self.requested: dict[int, str] = {}  # seq -> the worker asked for it
+        self.retry: set[int] = set()         # to ask again, of whoever owns it then
+        self.received: dict[int, T] = {}     # seq -> item, not given to the loop yet
+        self.resumed = progress.seqs()       # given before a checkpoint: not asked for
+        self.delivered = set(self.resumed)   # received once: later copies are duplicates
+        self.yielded = len(self.resumed)
+        self.cursor = 0                      # next seq never requested
+        self.next = 0                        # next seq to yield (ordered)
+        self.low = 0                         # lowest seq not received yet
+        self._advance_low()
+
+    # ---- the epoch's seqs -----------------------------------------------------
+    def limit(self) -> int | None:
+        """Seqs from here on do not exist; None while a stream may go on."""
+        return streams_limit(self.n, self.progress.ends) if self.n else self.num
+
+    def exists(self, seq: int) -> bool:
+        return stream_seq_exists(seq, self.n, self.progress.ends) if self.n else seq < self.num
+
+    def total(self) -> int | None:
+        """How many batches the epoch has; None while a stream may go on."""
+        if not self.n:
+            return self.num
+        ends = self.progress.ends
+        return sum(ends.values()) if len(ends) == self.n else None
+
+    @property
+    def finished(self) -> bool:
+        return self.yielded == self.total()
+
+    def missing(self) -> list[int]:
+        """The seqs not received yet (of a stream epoch: those asked for)."""
+        if self.n:
+            return sorted(set(self.requested) | self.retry)
+        return [s for s in range(self.num) if s not in self.delivered]
+
+    # ---- asking -----------------------------------------------------------------
+    def asks(self, window: int, group: int, ordered: bool,
+             route: Callable[[int], str | None]) -> dict[str, list[int]]:
+        """The seqs to ask for now, by worker (``route(seq)``; None: nobody yet),
+        marked requested. At most ``window`` outstanding, new ones in groups of
+        ``group``; the next seq in order is always asked for, whatever the window:
+        a window full of later batches must not block the one the loop waits for."""
+        outstanding = len(self.requested) + len(self.received)
+        urgent = self.next if ordered else -1
+        room = window - outstanding >= group
+        asks: dict[str, list[int]] = {}
+        for seq in sorted(self.retry):
+            address = route(seq)
+            if address is not None and (outstanding < window or seq == urgent):
+                self.retry.discard(seq)
+                asks.setdefault(address, []).append(seq)
+                outstanding += 1
+        limit = self.limit()
+        while (limit is None or self.cursor < limit) and ((room and outstanding < window) or self.cursor == urgent):
+            if not self.exists(self.cursor) or self.cursor in self.resumed:
+                self.cursor += 1
+                continue
+            address = route(self.cursor)
+            if address is None:
+                break
+            asks.setdefault(address, []).append(self.cursor)
+            self.cursor += 1
+            outstanding += 1
+        for address, seqs in asks.items():
+            for seq in seqs:
+                self.requested[seq] = address
+        return asks
+
+    def ask_again(self, seq: int, address: str) -> None:
+        """``seq``, asked of ``address``, is to be asked for again."""
+        if self.requested.get(seq) == address:
+            del self.requested[seq]
+            self.retry.add(seq)
+
+    def reroute(self, which: Callable[[int, str], bool]) -> list[tuple[int, str]]:
+        """Asks again for the requested seqs ``which(seq, address)`` picks; returns them."""
+        moved = [(seq, address) for seq, address in self.requested.items() if which(seq, address)]
+        for seq, _ in moved:
+            del self.requested[seq]
+            self.retry.add(seq)
+        return moved
+
+    # ---- receiving and yielding -------------------------------------------------
+    def is_new(self, seq: int) -> bool:
+        """Not received before (else a duplicate, e.g. re-sent after a reconnect) and of this epoch."""
+        return seq not in self.delivered and self.exists(seq)
+
+    def receive(self, seq: int, item: T) -> None:
+        self.requested.pop(seq, None)
+        self.retry.discard(seq)
+        self.delivered.add(seq)
+        self.received[seq] = item
+        self._advance_low()
+
+    def end_stream(self, stream: int, end: int) -> None:
+        """Stream ``stream`` has ``end`` batches: its later seqs are not asked for."""
+        self.progress.end_stream(stream, end)
+        for seq in [s for s in (*self.requested, *self.retry) if not self.exists(s)]:
+            self.requested.pop(seq, None)
+            self.retry.discard(seq)
+        self._advance_low()
+
+    def pop_ready(self, ordered: bool) -> T | None:
+        """The next received item to give to the loop, if it is here."""
+        if ordered:
+            limit = self.limit()
+            while (not self.exists(self.next) or self.next in self.resumed) and (limit is None or self.next < limit):
+                self.next += 1  # a finished stream's turn: torch skips exhausted workers too
+            return self.received.pop(self.next, None)
+        if self.received:
+            return self.received.pop(next(iter(self.received)))
+        return None
+
+    def given(self, seq: int, ordered: bool) -> None:
+        """The item of ``seq`` (from pop_ready) went to the loop."""
+        self.yielded += 1
+        if ordered:
+            self.next = seq + 1
+
+    def _advance_low(self) -> None:
+        limit = self.limit()
+        while (self.low in self.delivered or not self.exists(self.low)) and (limit is None or self.low < limit):
+            self.low += 1
