@@ -196,7 +196,6 @@ class EpochFetcher:
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
         self._dataset = dataset
-        self._n = num_streams
         self._window = window
         self._group = max(1, window // 4)  # credits go out in groups: one message per group
         self._ordered = ordered
@@ -225,7 +224,7 @@ class EpochFetcher:
         return self._exit.finished
 
     def __len__(self) -> int:
-        if self._n:
+        if self._ledger.n:
             raise TypeError("an IterableDataset epoch has no length")
         return self._ledger.num
 
@@ -336,11 +335,11 @@ class EpochFetcher:
             # Not from that worker until the dispatcher names an owner; the same
             # worker is asked again after a failed stream (it may be a blip).
             if ledger.requested.get(seq) == got.address:
-                for moved, address in ledger.reroute(lambda s, address: s == seq):
-                    self._router.forget(moved, address)
+                ledger.ask_again(seq, got.address)
+                self._router.forget(seq, got.address)
             return False
-        if meta.end_of_stream and self._n:
-            ledger.end_stream(seq % self._n, seq // self._n)
+        if meta.end_of_stream and ledger.n:
+            ledger.end_stream(seq % ledger.n, seq // ledger.n)
             self._control.next_seq = ledger.low
             return True
         if not ledger.is_new(seq):

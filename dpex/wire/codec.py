@@ -137,10 +137,10 @@ def encode_parts(obj: Any) -> list[Any]:
 
 
 class _Decoder:
-    def __init__(self, payload: Any, data_start: int) -> None:
+    def __init__(self, payload: Any, data_start: int, size: int) -> None:
         self.payload = payload
         self.data_start = data_start
-        self.size = payload.numel() if isinstance(payload, torch.Tensor) else memoryview(payload).nbytes
+        self.size = size  # the payload's bytes
 
     def raw(self, offset: int, nbytes: int, itemsize: int = 1) -> torch.Tensor:
         start = self.data_start + offset
@@ -237,4 +237,4 @@ def decode(payload: bytes | bytearray | memoryview | torch.Tensor) -> Any:
     with warnings.catch_warnings():
         # The payload is ours alone; torch only warns that bytes are immutable.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return _Decoder(payload, _aligned(end)).node(root)
+        return _Decoder(payload, _aligned(end), view.nbytes).node(root)
