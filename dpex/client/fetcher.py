@@ -334,8 +334,7 @@ class EpochFetcher:
         if meta.not_assigned:
             # Not from that worker until the dispatcher names an owner; the same
             # worker is asked again after a failed stream (it may be a blip).
-            if ledger.requested.get(seq) == got.address:
-                ledger.ask_again(seq, got.address)
+            if ledger.ask_again(seq, got.address):
                 self._router.forget(seq, got.address)
             return False
         if meta.end_of_stream and ledger.n:

@@ -91,11 +91,14 @@ class Ledger(Generic[T]):
                 self.requested[seq] = address
         return asks
 
-    def ask_again(self, seq: int, address: str) -> None:
-        """``seq``, asked of ``address``, is to be asked for again."""
-        if self.requested.get(seq) == address:
-            del self.requested[seq]
-            self.retry.add(seq)
+    def ask_again(self, seq: int, address: str) -> bool:
+        """``seq``, asked of ``address``, is to be asked for again; False: it was
+        not outstanding with ``address`` (received, or asked of another since)."""
+        if self.requested.get(seq) != address:
+            return False
+        del self.requested[seq]
+        self.retry.add(seq)
+        return True
 
     def reroute(self, which: Callable[[int, str], bool]) -> list[tuple[int, str]]:
         """Asks again for the requested seqs ``which(seq, address)`` picks; returns them."""

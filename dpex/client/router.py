@@ -40,7 +40,7 @@ class Router:
 
     def route(self, seq: int) -> str | None:
         """The worker to ask for ``seq`` now; None: nobody (no owner known, or in backoff)."""
-        address = self._owner.get(self._key(seq))
+        address = self.owner(seq)
         if address is not None and address in self._broken:
             if self._clock() < self._broken[address]:
                 return None

@@ -75,9 +75,9 @@ def test_the_low_mark_follows_received_batches_without_gaps():
 def test_asking_again_only_what_was_asked_of_that_worker():
     ledger = Ledger(4, 0, Progress())
     ledger.asks(4, 1, True, lambda seq: A if seq % 2 else B)
-    ledger.ask_again(1, B)  # 1 was asked of A
+    assert ledger.ask_again(1, B) is False  # 1 was asked of A
     assert ledger.retry == set()
-    ledger.ask_again(1, A)
+    assert ledger.ask_again(1, A) is True
     assert ledger.retry == {1} and 1 not in ledger.requested
     assert ledger.reroute(lambda seq, address: address == B) == [(0, B), (2, B)]
     assert ledger.asks(4, 1, True, everyone(A)) == {A: [0, 1, 2]}
