@@ -138,6 +138,7 @@ class EpochState:
         return {"epoch": self.epoch, "base_seed": self.base_seed, "num_batches": self.num_batches,
                 "sampler": blob(self.sampler.SerializeToString()) if self.sampler is not None else None,
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
+                "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
                 "reshard": self.reshard, "num_streams": self.num_streams,
                 "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()],
                 "stream_states": {k: (j, blob(state)) for k, (j, state) in self.progress.stream_states.items()}}
@@ -145,6 +146,8 @@ class EpochState:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
         batches = [dpb.IndexBatch(indices=b) for b in d["batches"]] if d["batches"] is not None else None
+        for i in d.get("whole", []):  # an unbatched job's list elements
+            batches[i].whole = True
         if d["reshard"] is not None:
             batches = [dpb.IndexBatch(indices=b) for b in reshard(**d["reshard"])]
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),

@@ -16,8 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
-from dpex.errors import (DpexCancelledError, DpexConfigError, DpexError, DpexTimeoutError, DpexWireError,
-                         DpexWorkerError)
+from dpex.errors import DpexCancelledError, DpexConfigError, DpexError, DpexTimeoutError, DpexWireError, rebuild
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
@@ -144,6 +143,20 @@ class DatasetSeen(NamedTuple):
                                   f"{self.length} samples)")
 
 
+# A batch failed in these stages fails every other one of the epoch too
+# (torch's DataLoader shuts its workers down after them); in the others
+# (__getitem__, collate_fn, ...) the loop may catch it and go on, as in torch.
+_FATAL_STAGES = frozenset({"build", "worker_init_fn", "plan", "process"})
+
+
+class BatchFailed(Exception):
+    """next_batch(): batch ``seq`` is the user code's ``error``."""
+
+    def __init__(self, seq: int, error: BaseException) -> None:
+        super().__init__(seq, error)
+        self.seq, self.error = seq, error
+
+
 class _Wake(NamedTuple):
     """Put on the results queue to wake a fetcher blocked there (interrupt())."""
 
@@ -235,6 +248,9 @@ class EpochFetcher:
         except StopIteration:
             self.progress.ended = self.finished
             raise
+        except BatchFailed as failed:  # given to the loop as its exception: delivered, once
+            self.progress.add(failed.seq)
+            raise failed.error from None
         self.progress.add(seq)
         self._meter.record(self.key, asked_at, nbytes)
         return batch
@@ -289,8 +305,10 @@ class EpochFetcher:
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
         if meta.HasField("error"):
-            self.close()
-            raise DpexWorkerError.from_remote(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
+            error = rebuild(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
+            if meta.error.stage in _FATAL_STAGES:
+                self.close()
+            raise BatchFailed(meta.seq, error)
         return batch, nbytes, meta.seq
 
     def _send(self, asks: dict[str, list[int]]) -> None:

@@ -6,6 +6,7 @@ DataLoader over indices), so the same seed gives the same batches.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ from dpex.client import checkpoint
 from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.distributed import current_run, shared_job_name
 from dpex.client.fetcher import DatasetSeen, EpochFetcher
-from dpex.client.options import Indices, LoaderOptions, check_sampling
+from dpex.client.options import Indices, LoaderOptions, check_sampling, index_batch
 from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
@@ -32,7 +33,7 @@ from dpex.launch.head import resolve
 from dpex.plan import samplers
 from dpex.plan.spec import chunks
 from dpex.errors import (JOB_COLLECTED, DpexConfigError, DpexConnectionError, DpexError, DpexNotFoundError,
-                         DpexWorkerError)
+                         rebuild)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
@@ -65,6 +66,20 @@ def _definition(job: dpb.JobDef) -> bytes:
 
 def _as_list(indices: list[int]) -> list[int]:
     return indices
+
+
+def _code_fields(spec: DatasetSpec, collate_fn: Callable | None, worker_init_fn: Callable | None,
+                 bundled: bool) -> dict[str, Any]:
+    """The JobDef fields of the job's code. A dataset instance goes with its
+    functions in one pickle (JobDef.bundled): a bound method of the dataset
+    then runs on the worker's very copy, as in torch's workers."""
+    if not bundled:
+        return dict(dataset=callables.dumps(spec),
+                    collate=callables.dumps(collate_fn) if collate_fn is not None else b"",
+                    worker_init_fn=callables.dumps(worker_init_fn) if worker_init_fn is not None else b"")
+    digest = lambda fn: hashlib.sha256(callables.dumps(fn)).digest() if fn is not None else b""  # noqa: E731
+    return dict(dataset=callables.dumps((spec, collate_fn, worker_init_fn)), collate=digest(collate_fn),
+                worker_init_fn=digest(worker_init_fn), bundled=True)
 
 
 class _Constant:
@@ -203,11 +218,12 @@ class RemoteDataLoader:
         self._meter = StatsMeter()
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
-        job = dpb.JobDef(name=job_name or "", dataset=callables.dumps(spec),
-                         collate=callables.dumps(collate_fn) if collate_fn is not None else b"",
-                         num_consumers=num_consumers, persistent_workers=persistent_workers,
-                         worker_init_fn=callables.dumps(worker_init_fn) if worker_init_fn else b"",
-                         batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression)
+        self._code = (spec, collate_fn, worker_init_fn)
+        job = dpb.JobDef(name=job_name or "", num_consumers=num_consumers, persistent_workers=persistent_workers,
+                         **_code_fields(*self._code, bundled=self._instance is not None),
+                         batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
+                         unbatched=batch_size is None and batch_sampler is None)
+        self._unbatched = job.unbatched
         derived_name = not job.name and num_consumers > 1 and run is not None
         if derived_name:
             job.name = shared_job_name(run, _definition(job))
@@ -285,8 +301,15 @@ class RemoteDataLoader:
             return len(self._plan)
         if self._length < 0:  # as torch: an IterableDataset's len is the dataset's
             raise TypeError("the IterableDataset has no __len__")
+        if self._batch_size is None:
+            return self._length
         whole, part = divmod(self._length, self._batch_size)
         return whole if self._drop_last or not part else whole + 1
+
+    @property
+    def embedded(self) -> bool:
+        """Its workers are an embedded cluster's, on this machine, started for this loader."""
+        return self._res.cluster is not None
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
@@ -302,6 +325,8 @@ class RemoteDataLoader:
             raise DpexConfigError("this RemoteDataLoader is closed")
         self._res.close_epoch()  # a new iter() leaves the last epoch, as torch's does
         resume, self._resume = self._resume, None
+        if self._instance is not None:
+            self._ship_dataset()
         if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
             base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
@@ -313,7 +338,7 @@ class RemoteDataLoader:
             indices = iter(self._plan)
             base_seed = indices._base_seed
             sampler = samplers.describe(self._plan) if self._compact else None
-            plan = [] if sampler is not None else [dpb.IndexBatch(indices=b) for b in indices]
+            plan = [] if sampler is not None else [index_batch(b, self._unbatched) for b in indices]
             streams = 0
         epoch = self._epoch_counter
         self._epoch_counter += 1
@@ -452,6 +477,30 @@ class RemoteDataLoader:
                 log.warning("%s", e)
         raise AssertionError("unreachable")
 
+    def _ship_dataset(self) -> None:
+        """As torch hands the dataset to its workers at ``iter()``: a dataset
+        instance (or worker_init_fn, collate_fn) changed since the job was
+        made goes to the workers as a new job. Unchanged (the same pickle),
+        nothing is sent. A named or DDP-shared job keeps its definition."""
+        job = self._job_request.job
+        if job.name:
+            return
+        fields = _code_fields(*self._code, bundled=True)
+        if fields["dataset"] == job.dataset:
+            return
+        for name, value in fields.items():
+            setattr(job, name, value)
+        release = self._res.release
+        if release is not None:  # the job of the old definition: its workers may drop it now
+            try:
+                release()
+            except DpexError as e:
+                log.debug("could not release the previous job: %s", e)
+        self._create_job()
+        length, fingerprint = describe_dataset(self._instance)
+        self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
+        self._length = length
+
     def _create_job(self) -> None:
         """Gets or creates the job (again, if the dispatcher collected it)."""
         stub, consumer_index = self._res.stub, self.consumer_index
@@ -495,7 +544,7 @@ class RemoteDataLoader:
                 if response is None:
                     continue
                 if response.HasField("error"):
-                    raise DpexWorkerError.from_remote(response.error)
+                    raise rebuild(response.error)
                 this = DatasetSeen(f"worker {address}", response.length, response.fingerprint, response.iterable)
                 if seen is None:
                     seen = this

@@ -25,7 +25,7 @@ def _is_int(value: Any) -> bool:
 class LoaderOptions:
     """What a RemoteDataLoader was asked for; defaults are the loader's."""
     address: str | None = None           # see dpex.launch.head; None: an embedded cluster
-    batch_size: int | None = 1           # None only with a batch_sampler
+    batch_size: int | None = 1           # None: no auto-batching (each sampler element is a batch)
     drop_last: bool = False
     num_consumers: int = 1               # trainers (DDP ranks) sharing the job
     consumer_index: int = 0
@@ -64,6 +64,21 @@ class LoaderOptions:
         object.__setattr__(self, "compression", check_compression(self.compression))
 
 
+def index_batch(element: Any, unbatched: bool):
+    """One element of a planning DataLoader's epoch as the plan sends it: a
+    batch of indices or, without auto-batching, one index or one list of them."""
+    from dpex.proto import dispatcher_pb2 as dpb
+    try:
+        if not unbatched:
+            return dpb.IndexBatch(indices=element)
+        if isinstance(element, numbers.Integral):
+            return dpb.IndexBatch(indices=[element])
+        return dpb.IndexBatch(indices=list(element), whole=True)
+    except (TypeError, ValueError):
+        raise DpexConfigError(f"the sampler yielded {element!r}: Dpex plans integer indices (or lists of them) "
+                              "that the workers look up in their dataset") from None
+
+
 class Indices(tud.Dataset):
     """Stands in for the dataset while planning: item i is i."""
 
@@ -81,8 +96,6 @@ def check_sampling(batch_size: int | None, shuffle: Any, sampler: Any, batch_sam
                    generator: Any, collate_fn: Callable | None, worker_init_fn: Callable | None) -> None:
     """torch's own checks of a DataLoader's sampling arguments, with torch's
     messages, made on a stand-in dataset before anything is started."""
-    if batch_size is None and batch_sampler is None:
-        raise DpexConfigError("batch_size=None (no batching) is not supported; use batch_size=1")
     for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         _check(fn is None or callable(fn), f"{name} must be callable or None, got {type(fn).__name__}")
     if sampler is not None and not hasattr(sampler, "__iter__"):

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from dpex.client.stats import StatsMeter
 from dpex.client.buffers import read_exactly
+from dpex.client.fetcher import BatchFailed
 from dpex.wire.codec import ALIGN
 from dpex.wire.frame import payload_offset
 
@@ -112,6 +113,9 @@ class _Pinner:
                     batch, nbytes, seq = self.epoch.next_batch()
                 except StopIteration:
                     break
+                except BatchFailed as failed:  # the loop's to raise, in its turn
+                    self._put(failed)
+                    continue
                 self._put((pin_memory(batch, self._target.device_type), nbytes, seq))
         except BaseException as e:  # noqa: B036 - handed to the consumer, raised there
             end = _End(e)
@@ -176,6 +180,9 @@ class PinnedEpoch:
                 raise item.error
             self._pinner.epoch.progress.ended = self._pinner.epoch.finished
             raise StopIteration
+        if isinstance(item, BatchFailed):
+            self._pinner.epoch.progress.add(item.seq)
+            raise item.error from None
         batch, nbytes, seq = item
         self._pinner.epoch.progress.add(seq)  # given to the loop now, not when pinned
         self._meter.record(self._key, asked_at, nbytes)

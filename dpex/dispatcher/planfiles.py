@@ -2,7 +2,7 @@
 
 A plan arrives in chunks; each is appended to a file as it comes, so the
 dispatcher never holds a whole plan. A file holds the batches back to back
-(``u32 count | count x i64``); a side file holds, per split, where its
+(``u32 count | count x i64``; the count's top bit is IndexBatch.whole); a side file holds, per split, where its
 batches start, so that one split is read with two small reads.
 Files live in the work dir's ``plans/`` (or a temporary directory when the
 dispatcher keeps no journal), are fsync'd before the plan is journaled, and
@@ -24,6 +24,7 @@ from dpex.plan.spec import PlanHash
 from dpex.proto import dispatcher_pb2 as dpb
 
 _COUNT = struct.Struct("<I")
+_WHOLE = 1 << 31  # in a record's count: the batch is an unbatched job's list element
 _OFFSET = struct.Struct("<Q")
 _MAX_UPLOADS = 1024  # unfinished uploads kept; the oldest is dropped (its trainer starts again)
 _YOUNG_S = 60.0      # a file this new may belong to a plan about to be journaled: kept
@@ -78,7 +79,7 @@ class PlanFiles:
                 indices = array("q", batch.indices)
                 if sys.byteorder != "little":
                     indices.byteswap()
-                record = _COUNT.pack(len(indices)) + indices.tobytes()
+                record = _COUNT.pack(len(indices) | (_WHOLE if batch.whole else 0)) + indices.tobytes()
                 upload.data.write(record)
                 upload.offset += len(record)
                 upload.num_batches += 1
@@ -112,7 +113,8 @@ class PlanFiles:
         out, at = [], 0
         for _ in range(count):
             (n,) = _COUNT.unpack_from(data, at)
-            out.append(dpb.IndexBatch(indices=struct.unpack_from(f"<{n}q", data, at + _COUNT.size)))
+            whole, n = bool(n & _WHOLE), n & ~_WHOLE
+            out.append(dpb.IndexBatch(indices=struct.unpack_from(f"<{n}q", data, at + _COUNT.size), whole=whole))
             at += _COUNT.size + 8 * n
         return out
 

@@ -61,14 +61,17 @@ def describe(loader: Any) -> Spec | None:
     Random numbers are consumed as torch's sampler would."""
     import torch.utils.data as tud
     batch_sampler, sampler = loader.batch_sampler, loader.sampler
-    if type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
+    if batch_sampler is None:  # batch_size=None: each element is a batch of one (the job says unbatched)
+        batch_size, drop_last = 1, False
+    elif type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
         return None
+    else:
+        batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
     kind = type(sampler)
     if kind is shuffle.ShuffleSampler:  # the seed its iter() would take (or draw). No torch_version:
         # a worker of a release without SHUFFLE then refuses it rather than reading another kind.
         return Spec(kind=Spec.SHUFFLE, algorithm=shuffle.ALGORITHM, length=sampler.length,
-                    batch_size=batch_sampler.batch_size, drop_last=batch_sampler.drop_last,
-                    seed=sampler.epoch_seed(), num_replicas=sampler.num_replicas, rank=sampler.rank,
+                    batch_size=batch_size, drop_last=drop_last, seed=sampler.epoch_seed(), num_replicas=sampler.num_replicas, rank=sampler.rank,
                     sampler_drop_last=sampler.drop_last)
     if kind not in (tud.SequentialSampler, tud.RandomSampler, tud.DistributedSampler):
         return None
@@ -76,8 +79,7 @@ def describe(loader: Any) -> Spec | None:
         return None
     # The indices are positions in the sampler's own data source, which need not be the dataset.
     source = sampler.dataset if kind is tud.DistributedSampler else sampler.data_source
-    spec = Spec(torch_version=torch_version(), length=len(source), batch_size=batch_sampler.batch_size,
-                drop_last=batch_sampler.drop_last)
+    spec = Spec(torch_version=torch_version(), length=len(source), batch_size=batch_size, drop_last=drop_last)
     if kind is tud.SequentialSampler:
         spec.kind = Spec.SEQUENTIAL
     elif kind is tud.RandomSampler:

@@ -35,6 +35,20 @@ class Faulty(Squares):
         return super().__getitem__(i)
 
 
+class Crashing(Squares):
+    """Its process dies of ``signum`` at index ``bad`` (a segfault in a decoder, an OOM kill)."""
+
+    def __init__(self, n: int = 100, bad: int = 13, signum: int = 9) -> None:
+        super().__init__(n)
+        self.bad, self.signum = bad, signum
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.bad:
+            import os
+            os.kill(os.getpid(), self.signum)
+        return super().__getitem__(i)
+
+
 class BrokenInit(Dataset):
     def __init__(self, path: str = "/nonexistent") -> None:
         raise FileNotFoundError(f"no data at {path}")

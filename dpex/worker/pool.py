@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,6 +32,7 @@ class BatchPool:
         self._address = worker_address
         self._lock = threading.Lock()
         self._closed = False
+        self._last_death: tuple[int, int] | None = None
         self.handoff_dir = handoff.make_dir() if shared_memory else None
         self._executor = self._start()
 
@@ -55,10 +57,17 @@ class BatchPool:
             try:
                 return self._executor.submit(fn, *args)
             except BrokenProcessPool:
+                self._last_death = _death_in(self._executor)  # its batch's frame may not be made yet
                 log.error("a batch process died; restarting the pool")
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
+
+    def death(self) -> tuple[int, int] | None:
+        """The pid and exit code of a process that died by itself (a signal
+        other than the pool's own SIGTERM first), when the pool just broke."""
+        with self._lock:
+            return None if self._closed else _death_in(self._executor) or self._last_death
 
     def close(self) -> None:
         """Kills the processes (a batch still running is abandoned: the
@@ -77,13 +86,34 @@ class BatchPool:
             handoff.remove_dir(self.handoff_dir)
 
 
-def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str = "process") -> bytes:
-    """The frame for a batch whose process died (e.g. a segfault or OOM kill),
-    or (stage "plan") whose indices could not be computed."""
+def _death_in(executor: ProcessPoolExecutor) -> tuple[int, int] | None:
+    table = dict(getattr(executor, "_processes", None) or {})
+    dead = [(pid, p.exitcode) for pid, p in table.items() if p.exitcode not in (None, 0)]
+    dead.sort(key=lambda d: d[1] == -signal.SIGTERM)
+    return dead[0] if dead else None
+
+
+def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str = "process",
+                death: tuple[int, int] | None = None) -> bytes:
+    """The frame for a batch whose process died (e.g. a segfault or OOM kill;
+    ``death``: its pid and exit code, if known), or (stage "plan") whose
+    indices could not be computed. A death reads as torch's DataLoader says it."""
     from dpex.proto import worker_pb2 as wpb
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
-    message = f"the batch process died while producing this batch: {exc}" if stage == "process" else str(exc)
-    meta.error.CopyFrom(wpb.RemoteError(type=type(exc).__name__, message=message, traceback="",
-                                        sample_index=-1, worker=worker_address, stage=stage))
+    kind = type(exc)
+    if stage == "process":
+        kind = RuntimeError
+        if death is None:
+            message = f"DataLoader worker exited unexpectedly ({exc})"
+        elif death[1] < 0:
+            message = f"DataLoader worker (pid {death[0]}) is killed by signal: {signal.strsignal(-death[1])}."
+        else:
+            message = f"DataLoader worker (pid(s) {death[0]}) exited unexpectedly with exit code {death[1]}."
+        message += " It was making this batch"
+    else:
+        message = str(exc)
+    meta.error.CopyFrom(wpb.RemoteError(type=kind.__name__, type_ref=f"{kind.__module__}:{kind.__qualname__}",
+                                        message=message, traceback="", sample_index=-1,
+                                        worker=worker_address, stage=stage))
     return meta.SerializeToString()

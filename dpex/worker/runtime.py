@@ -27,6 +27,7 @@ class Task(NamedTuple):
     seq: int
     indices: list[int]
     base_seed: int = 0
+    whole: bool = False  # an unbatched job's element that was a list: dataset[indices]
 
 
 _worker_address = ""
@@ -45,6 +46,7 @@ class _Job(NamedTuple):
     batch_size: int
     drop_last: bool
     compression: str = ""
+    unbatched: bool = False  # batch_size=None: each element (or item) is a batch, through collate alone
     length: int = -1       # len(dataset); -1: no __len__
     fingerprint: str = ""  # the dataset's own fingerprint, if it has one
 
@@ -88,18 +90,22 @@ def load_job(job_id: int, job_path: str) -> _Job:
     if job_id in _jobs:
         _jobs.move_to_end(job_id)
         return _jobs[job_id]
-    from torch.utils.data import default_collate
+    from torch.utils.data import default_collate, default_convert
 
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.wire import callables
     with open(job_path, "rb") as f:
         job = dpb.JobDef.FromString(f.read())
-    spec = callables.loads(job.dataset)
+    if job.bundled:  # one pickle: a bound method of the dataset binds this very copy
+        spec, collate_fn, worker_init_fn = callables.loads(job.dataset)
+    else:
+        spec = callables.loads(job.dataset)
+        collate_fn = callables.loads(job.collate) if job.collate else None
+        worker_init_fn = callables.loads(job.worker_init_fn) if job.worker_init_fn else None
     dataset = spec.build()
-    _jobs[job_id] = _Job(dataset, callables.loads(job.collate) if job.collate else default_collate,
-                         callables.loads(job.worker_init_fn) if job.worker_init_fn else None,
-                         job.persistent_workers, job.batch_size, job.drop_last, job.compression,
-                         *describe_dataset(dataset))
+    default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
+    _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size, job.drop_last, job.compression,
+                         job.unbatched, *describe_dataset(dataset))
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -182,9 +188,18 @@ def produce(task: Task) -> bytes | Handoff:
         meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
         stage = "worker_init_fn"
         _enter(task.job_id, task.epoch, task.base_seed, job)
-        stage, samples = "getitem", []
-        for index in task.indices:
-            samples.append(job.dataset[index])
+        # What torch's map-style fetcher reads: one element without auto-batching
+        # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
+        stage, dataset = "getitem", job.dataset
+        if job.unbatched:
+            index = -1 if task.whole else task.indices[0]
+            samples = dataset[list(task.indices)] if task.whole else dataset[index]
+        elif getattr(dataset, "__getitems__", None):
+            samples = dataset.__getitems__(list(task.indices))
+        else:
+            samples = []
+            for index in task.indices:
+                samples.append(dataset[index])
         stage, index = "collate", -1
         batch = collate(job, samples)
         stage = "encode"
@@ -205,12 +220,16 @@ def produce(task: Task) -> bytes | Handoff:
     return b"".join(parts)
 
 
-def remote_error(e: BaseException, stage: str, index: int = -1):
+def remote_error(e: BaseException, stage: str, index: int = -1, process: int | None = None):
+    """The exception as a dpex.v1.RemoteError: what the trainer needs to
+    raise it again (dpex.errors.rebuild) and to say where it happened."""
     from dpex.proto import worker_pb2 as wpb
+    kind = type(e)
     return wpb.RemoteError(
-        type=f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
+        type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
+        type_ref=f"{kind.__module__}:{kind.__qualname__}",
         message=str(e), traceback=traceback.format_exc(), sample_index=index,
-        worker=_worker_address, stage=stage)
+        worker=_worker_address, stage=stage, process=_child_index if process is None else process)
 
 
 def inspect(job_id: int, job_path: str) -> bytes:

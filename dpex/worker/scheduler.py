@@ -517,9 +517,10 @@ class Scheduler:
                     self._budget.started(key.consumer)
                 split_id, offset = self._where[key]
                 entry = self._splits[split_id]
+                explicit = entry.split.batches[offset] if entry.split.batches else None
                 task = Task(key.job_id, self._job_path(key.job_id), key.consumer_index, key.epoch,
                             key.seq, entry.batches[offset] if entry.error is None else [],
-                            entry.split.base_seed)
+                            entry.split.base_seed, explicit is not None and explicit.whole)
                 if entry.error is not None:
                     future = Future()
                     future.set_result(crash_frame(task, entry.error, self._address, stage="plan"))
@@ -538,7 +539,7 @@ class Scheduler:
         except Exception as e:
             log.error("batch failed in the pool: %s", e,
                       extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
-            frame = crash_frame(task, e, self._address)
+            frame = crash_frame(task, e, self._address, death=self._pool.death())
         size = handoff.size_of(frame)
         self.meter.produced(size)
         with self._cond:

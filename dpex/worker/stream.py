@@ -33,6 +33,9 @@ def _meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
                      seq=j * split["num_streams"] + split["stream"], **fields)
 
 
+_END = object()
+
+
 def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> None:
     """The stream process: iterate, batch, send a frame per credit, then the end."""
     runtime.init_process(worker_address)
@@ -67,9 +70,15 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         samples = iter(job.dataset)
         while True:
             stage = "iterate"
-            batch = list(itertools.islice(samples, job.batch_size))
-            if not batch or (job.drop_last and len(batch) < job.batch_size):
-                break
+            if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
+                item = next(samples, _END)
+                if item is _END:
+                    break
+                batch = item
+            else:
+                batch = list(itertools.islice(samples, job.batch_size))
+                if not batch or (job.drop_last and len(batch) < job.batch_size):
+                    break
             stage = "state_dict"
             state = cloudpickle.dumps(job.dataset.state_dict()) if stateful else b""
             stage = "collate"
@@ -80,7 +89,7 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
                 return
             j += 1
     except Exception as e:
-        meta = _meta(split, j, error=runtime.remote_error(e, stage))
+        meta = _meta(split, j, error=runtime.remote_error(e, stage, process=split["stream"]))
         if not send(meta.SerializeToString()):
             return
         j += 1

@@ -138,12 +138,3 @@ def test_bug_dataset_raises_a_clear_error(cluster):
 def test_large_dataset_instance_warns_and_points_to_datasetspec(cluster):
     with pytest.warns(UserWarning, match=r"pickles to 6\.\d MB; use dpex.DatasetSpec"):
         DpexDataLoader(Big(), distribute_mode=True, head_address=cluster.address, batch_size=4).close()
-
-
-def test_bad_arguments():
-    with pytest.raises(dpex.DpexConfigError, match="always spawned"):
-        DpexDataLoader(Squares(4), distribute_mode=True, head_address="127.0.0.1:1", multiprocessing_context="fork")
-    with pytest.raises(TypeError, match="unexpected arguments: bogus"):
-        DpexDataLoader(Squares(4), distribute_mode=True, bogus=1)
-    with pytest.raises(ValueError, match="num_workers option should be non-negative"):
-        DpexDataLoader(Squares(4), distribute_mode=True, num_workers=-1)

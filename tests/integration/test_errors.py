@@ -74,7 +74,6 @@ def test_unreachable_dispatcher():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(address="no-port"), "expected HOST:PORT"),
     (dict(num_consumers=2, consumer_index=2), "consumer_index must be in 0..1"),
-    (dict(batch_size=None), "batch_size=None"),
     (dict(timeout=-1), "timeout must be > 0"),
     (dict(dataset=None), "needs a dataset"),
     (dict(window=0), "window must be >= 1"),
