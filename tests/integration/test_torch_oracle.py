@@ -1,0 +1,387 @@
+"""torch is the oracle: each scenario runs through torch.utils.data.DataLoader
+and through DpexDataLoader(distribute_mode=True) unchanged, and what comes
+out (values and their types, exceptions, warnings, len, argument errors) must
+be the same. Scenarios follow torch's own DataLoader tests."""
+import multiprocessing
+import re
+import sys
+import warnings
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+import dpex
+from dpex import DpexDataLoader
+from dpex.testing.datasets import Crashing
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import tests/
+
+
+# ---- datasets, as in torch's tests ---------------------------------------------------------------
+class ErrorEvery(Dataset):
+    """Raises ``error`` for every ``every``-th index."""
+
+    def __init__(self, n, every=3, error=KeyError):
+        self.n, self.every, self.error = n, every, error
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i % self.every == 0:
+            raise self.error(f"bad {i}")
+        return torch.tensor([i, 2 * i])
+
+
+class NeedsTwo(Exception):
+    """Cannot be built from a message: torch raises a RuntimeError instead."""
+
+    def __init__(self, a, b):
+        super().__init__(a, b)
+
+
+class TwoArgErrors(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i % 4 == 0:
+            raise NeedsTwo(f"bad {i}", i)
+        return i
+
+
+class Mixed(Dataset):
+    """Samples of numpy scalars, arrays, dicts and tuples; a list index reads a list."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, list):
+            return [np.int64(j) for j in i]
+        return np.float32(i), {"a": np.arange(i), "s": f"x{i}"}
+
+
+class PreBatched(Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return torch.full((3, 2), i)
+
+
+class Getitems(Dataset):
+    """torch's fetcher uses __getitems__ when a dataset has it."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        raise AssertionError("__getitems__ should be used")
+
+    def __getitems__(self, indices):
+        return [torch.tensor(i * 10) for i in indices]
+
+
+class ListSampler(Sampler):
+    def __init__(self):
+        pass
+
+    def __iter__(self):
+        return iter([[0, 1], [2, 3, 4], [5], [6, 7]])
+
+    def __len__(self):
+        return 4
+
+
+class Range(IterableDataset):
+    def __init__(self, n, reported=None):
+        self.n, self.reported = n, reported
+
+    def __len__(self):
+        return self.n if self.reported is None else self.reported
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k, w = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(k, self.n, w):
+            yield np.array([i, -i])
+
+
+class Growing(Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+# ---- running a scenario through both ---------------------------------------------------------------
+def plain(value):
+    """A batch as plain values that keep their types."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.tolist())
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return ("dict", {k: plain(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [plain(v) for v in value])
+    return (type(value).__name__, value)
+
+
+def kind(e):
+    """The exception's own class: Dpex raises a subclass that is also a
+    DpexWorkerError, or a DpexWorkerError where torch raises a RuntimeError."""
+    if not isinstance(e, dpex.DpexWorkerError):
+        return type(e)
+    return next(c for c in type(e).__mro__[1:] if not issubclass(c, dpex.DpexError))
+
+
+def exception(e):
+    """What a user sees of an exception: its class, and the remote traceback's last line."""
+    lines = [ln for ln in str(e).splitlines() if re.match(r"[\w.]+: ", ln)]
+    return ("raised", kind(e).__name__, lines[-1] if lines else str(e))
+
+
+def outcome(make, catch=True):
+    """One epoch as a loop that catches exceptions and goes on, as torch's
+    _test_error does: [("batch", plain) | ("raised", type, line)], warnings."""
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = make()
+        it = iter(loader)
+        while True:
+            try:
+                out.append(("batch", plain(next(it))))
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - the outcome compared
+                out.append(exception(e))
+                if not catch:
+                    break
+    seen = [re.sub(" at 0x[0-9a-f]+", "", str(w.message)) for w in caught
+            if "DataLoader" in str(w.message) or "IterableDataset" in str(w.message)]
+    return out, seen
+
+
+def both(cluster, dataset_fn, catch=True, **kwargs):
+    """The scenario's outcome through torch's DataLoader and through Dpex."""
+    gen = kwargs.pop("seed", None)
+
+    def make(cls, **extra):
+        def build():
+            kw = dict(kwargs)
+            if cls is DataLoader and kw.get("num_workers") and "multiprocessing_context" not in kw:
+                kw["multiprocessing_context"] = "spawn"  # fork would copy this process's gRPC threads
+            if gen is not None:
+                kw["generator"] = torch.Generator().manual_seed(gen)
+            return cls(dataset_fn(), **extra, **kw)
+        return build
+    theirs = outcome(make(DataLoader), catch)
+    ours = outcome(make(DpexDataLoader, distribute_mode=True, head_address=cluster.address), catch)
+    return theirs, ours
+
+
+# ---- scenarios --------------------------------------------------------------------------------------
+SCENARIOS = {
+    # auto-batching off (batch_size=None): each element is one item, default_convert'ed
+    "unbatched": (lambda: Mixed(6), dict(batch_size=None)),
+    "unbatched_shuffled_prebatched": (PreBatched, dict(batch_size=None, shuffle=True, seed=3)),
+    "unbatched_list_sampler": (lambda: Mixed(8), dict(batch_size=None, sampler=ListSampler())),
+    "unbatched_collate_fn": (lambda: Mixed(4), dict(batch_size=None, collate_fn=repr)),
+    "unbatched_iterable": (lambda: Range(5), dict(batch_size=None)),
+    "unbatched_iterable_two_workers": (lambda: Range(7), dict(batch_size=None, num_workers=2)),
+    "getitems": (Getitems, dict(batch_size=4)),
+    "getitems_shuffled": (Getitems, dict(batch_size=3, shuffle=True, seed=1, drop_last=True)),
+    # exceptions: raised as their own type, and the loop goes on
+    "errors_in_getitem": (lambda: ErrorEvery(20), dict(batch_size=2, num_workers=2)),
+    # (torch without workers raises in its own process, the exception as it is: Dpex's are torch's workers')
+    "errors_unbatched": (lambda: ErrorEvery(7, error=ValueError), dict(batch_size=None, num_workers=1)),
+    "errors_not_rebuildable": (TwoArgErrors, dict(batch_size=3, num_workers=1)),
+    "errors_in_collate": (lambda: Mixed(4), dict(batch_size=2, num_workers=1, collate_fn=torch.stack)),
+    # multiprocessing_context is accepted as torch accepts it
+    "context_fork": (PreBatched, dict(batch_size=2, num_workers=1, multiprocessing_context="fork")),
+    "context_forkserver": (PreBatched, dict(batch_size=2, num_workers=1,
+                                                  multiprocessing_context="forkserver")),
+    "context_object": (PreBatched, dict(batch_size=2, num_workers=1,
+                                              multiprocessing_context=multiprocessing.get_context("spawn"))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_same_outcome_as_torch(cluster, name):
+    dataset_fn, kwargs = SCENARIOS[name]
+    theirs, ours = both(cluster, dataset_fn, **kwargs)
+    assert theirs == ours
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_dataset_longer_than_its_len_warns(cluster, num_workers):
+    loaders = [DataLoader(Range(6, reported=2), batch_size=2, num_workers=num_workers,
+                          multiprocessing_context="spawn" if num_workers else None),
+               DpexDataLoader(Range(6, reported=2), distribute_mode=True, head_address=cluster.address,
+                              batch_size=2, num_workers=num_workers)]
+    assert len(loaders[0]) == len(loaders[1]) == 1
+    theirs, ours = [outcome(lambda loader=loader: loader) for loader in loaders]
+    assert theirs == ours and ours[1]  # torch compares batches yielded with len(dataset)
+
+
+def test_a_caught_error_does_not_end_the_epoch_and_counts_once(cluster):
+    (theirs, _), (ours, _) = both(cluster, lambda: ErrorEvery(30, every=4), batch_size=3, shuffle=True, seed=5,
+                                  num_workers=2)
+    assert theirs == ours
+    assert 0 < sum(1 for r in ours if r[0] == "raised") < 10  # batches holding one of 0, 4, ..., 28
+    assert len(ours) == 10  # every batch once: the failed ones count as given
+
+
+def test_the_exception_is_the_users_type_and_a_dpex_worker_error(cluster):
+    with DpexDataLoader(ErrorEvery(6), distribute_mode=True, head_address=cluster.address, batch_size=2) as dl:
+        with pytest.raises(KeyError) as info:
+            next(iter(dl))
+    e = info.value
+    assert isinstance(e, dpex.DpexWorkerError) and type(e).__name__ == "KeyError"
+    assert e.worker in cluster.worker_addresses and e.sample_index == 0 and e.stage == "getitem"
+    assert e.process == 0 and "Caught KeyError in DataLoader worker process 0" in str(e)
+    assert "raise self.error(f\"bad {i}\")" in e.remote_traceback
+    assert str(e).startswith("KeyError: 'bad 0' (raised in dataset[0] on worker")  # not repr()'d as KeyError's
+    copy = __import__("pickle").loads(__import__("pickle").dumps(e))
+    assert type(copy) is type(e) and copy.args == e.args and copy.worker == e.worker
+
+
+@pytest.mark.parametrize("cls", [dpex.DpexError, dpex.DpexAuthError, dpex.DpexCancelledError, dpex.DpexConfigError,
+                                 dpex.DpexConflictError, dpex.DpexConnectionError, dpex.DpexNotFoundError,
+                                 dpex.DpexTimeoutError, dpex.DpexWireError, dpex.DpexWorkerError])
+def test_every_dpex_exception_is_built_from_a_message_and_pickles(cls):
+    import pickle
+    e = cls("something went wrong")
+    copy = pickle.loads(pickle.dumps(e))
+    assert type(copy) is cls and str(copy) == "something went wrong"
+
+
+def test_a_killed_batch_process_reads_as_torchs(cluster):
+    # torch: "RuntimeError: DataLoader worker (pid N) is killed by signal: Killed."
+    with DpexDataLoader(Crashing(8, bad=2), distribute_mode=True, head_address=cluster.address,
+                        batch_size=2, timeout=60) as dl:
+        got = []
+        # (the pid and signal are named when the pool saw the process's exit code; else torch's other words)
+        with pytest.raises(RuntimeError, match=r"DataLoader worker (\(pid \d+\) is killed by signal: Killed\.|"
+                                               r"exited unexpectedly)"):
+            for batch in dl:
+                got.append(batch["y"].tolist())
+    assert got == [[0, 1]]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(multiprocessing_context="bad", num_workers=1),
+    dict(multiprocessing_context="spawn"),
+    dict(batch_size=None, drop_last=True),
+    dict(batch_sampler=[[1]], batch_size=3),
+    dict(sampler=[0], shuffle=True),
+    dict(num_workers=-1),
+    dict(prefetch_factor=3),
+    dict(persistent_workers=True),
+    dict(timeout=-1),
+    dict(no_such_argument=1),
+])
+def test_argument_errors_are_torchs(kwargs):
+    def error(cls):
+        try:
+            cls(Mixed(4), **kwargs)
+        except Exception as e:  # noqa: BLE001 - compared
+            return type(e), str(e).replace("DpexDataLoader", "DataLoader")
+        return None
+    theirs = error(DataLoader)
+    assert theirs is not None
+    ours = error(lambda *a, **k: DpexDataLoader(*a, distribute_mode=True, head_address="127.0.0.1:1", **k))
+    assert ours == theirs
+
+
+def test_attributes_and_typing_as_torchs(cluster):
+    with DpexDataLoader(Mixed(10), distribute_mode=True, head_address=cluster.address, batch_size=3) as dl:
+        assert isinstance(dl, DataLoader) and DpexDataLoader[int] is not None
+        assert (dl.batch_size, dl.drop_last, dl.num_workers, dl.timeout) == (3, False, 0, 0)
+        for attr in ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"):
+            with pytest.raises(ValueError, match=f"{attr} attribute should not be set after DpexDataLoader is "
+                                                 "initialized"):
+                setattr(dl, attr, None)
+
+
+def test_len_follows_the_dataset(cluster):
+    items = list(range(10))
+    theirs = DataLoader(Growing(list(items)), batch_size=4)
+    with DpexDataLoader(Growing(list(items)), distribute_mode=True, head_address=cluster.address,
+                        batch_size=4) as ours:
+        for loader in (theirs, ours):
+            loader.dataset.items.extend(range(10, 13))
+        assert len(ours) == len(theirs) == 4
+
+
+class Offset(Dataset):
+    def __init__(self):
+        self.start = 100
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.start + i
+
+
+class InitSetsState(Dataset):
+    """worker_init_fn is a bound method: it sets state on the dataset __getitem__ reads."""
+
+    def __init__(self):
+        self.value = -1
+
+    def init(self, worker_id):
+        self.value = 7 + worker_id
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.value
+
+
+def test_the_dataset_is_taken_at_iter(cluster):
+    outcomes = []
+    for cls, extra in ((DataLoader, {}), (DpexDataLoader, dict(distribute_mode=True, head_address=cluster.address))):
+        dataset = Offset()
+        loader = cls(dataset, batch_size=4, **extra)
+        first = [b.tolist() for b in loader]
+        dataset.start = 0  # changed between construction (and an epoch) and iter(): seen, as in torch
+        items = Growing(list(range(5)))
+        grown = cls(items, batch_size=4, **extra)
+        items.items.extend([5, 6, 7, 8])
+        outcomes.append((first, [b.tolist() for b in loader], len(grown), [b.tolist() for b in grown]))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][1] == [[0, 1, 2, 3], [4, 5]] and outcomes[1][2] == 3
+
+
+def test_an_unchanged_dataset_is_not_shipped_again(cluster):
+    with DpexDataLoader(Offset(), distribute_mode=True, head_address=cluster.address, batch_size=3) as dl:
+        job = dl._remote.job_id
+        assert [list(dl) for _ in range(2)] and dl._remote.job_id == job
+        dl.dataset.start = 1
+        assert [b.tolist() for b in dl] == [[1, 2, 3], [4, 5, 6]] and dl._remote.job_id != job
+
+
+def test_worker_init_fn_and_getitem_see_one_dataset(cluster):
+    (theirs, _), (ours, _) = [outcome(lambda: DataLoader(ds, batch_size=2, num_workers=1, worker_init_fn=ds.init,
+                                                                 multiprocessing_context="spawn")
+                                      if cls is DataLoader else
+                                      DpexDataLoader(ds, distribute_mode=True, head_address=cluster.address,
+                                                     batch_size=2, num_workers=1, worker_init_fn=ds.init))
+                              for cls, ds in ((DataLoader, InitSetsState()), (DpexDataLoader, InitSetsState()))]
+    assert theirs == ours == [("batch", ("tensor", "torch.int64", (2,), [7, 7]))] * 2
