@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, TypeVar
 from torch.utils.data import DataLoader, IterableDataset
 
 from dpex.client.loader import RemoteDataLoader
+from dpex.client.options import Indices
+from dpex.dataset import DatasetSpec
 from dpex.client.stats import LoaderStats
 from dpex.errors import DpexTimeoutError
 
@@ -55,6 +57,21 @@ class _Epoch:
         return len(self._loader)
 
 
+class _Stream(IterableDataset):
+    """Stands in for an IterableDataset that a DatasetSpec builds on the workers."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        if self.length < 0:
+            raise TypeError("the IterableDataset has no __len__")
+        return self.length
+
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError("iterated on the workers")
+
+
 class DpexDataLoader(DataLoader[_T_co]):
     """``DataLoader(...)`` → ``DpexDataLoader(..., distribute_mode=True)``.
 
@@ -91,27 +108,36 @@ class DpexDataLoader(DataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  in_order: bool = True, pin_memory_device: str = "") -> None:
+        common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
+                      generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
+                      worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
+                      pin_memory_device=pin_memory_device, num_workers=max(1, num_workers),
+                      processes=max(1, num_workers),
+                      shard=False)  # as torch's DataLoader: only a sampler the user gives shards under DDP
+        address = "auto" if head_address is None else head_address
+        torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+                          num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+                          drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                          multiprocessing_context=multiprocessing_context, generator=generator,
+                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                          pin_memory_device=pin_memory_device, in_order=in_order)
+        if isinstance(dataset, DatasetSpec):  # built on the workers: torch's constructor sees a stand-in of its size
+            self._remote = RemoteDataLoader(address, dataset, batch_size=batch_size, shuffle=bool(shuffle),
+                                            sampler=sampler, batch_sampler=batch_sampler, **common)
+            remote = self._remote
+            super().__init__(_Stream(remote._length) if remote._iterable else Indices(remote._length), **torch_args)
+            object.__setattr__(self, "dataset", dataset)  # past torch's guard: the spec is the dataset
+            self.head_address = self._remote.address
+            return
         # torch's own constructor: its checks with its words, its attributes.
-        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                         pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                         generator=generator, prefetch_factor=prefetch_factor,
-                         persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-                         in_order=in_order)
+        super().__init__(dataset, **torch_args)
         iterable = isinstance(dataset, IterableDataset)
         # Planned by this loader's own sampler, as torch plans: one sampler, which follows the dataset.
         plan: dict[str, Any] = ({} if iterable else dict(batch_sampler=batch_sampler) if batch_sampler is not None
                                 else dict(sampler=self.sampler, batch_size=self.batch_size))
         self._remote = RemoteDataLoader(
-            "auto" if head_address is None else head_address, dataset,
-            batch_size=self.batch_size if iterable else plan.pop("batch_size", 1),
-            drop_last=drop_last, collate_fn=collate_fn, ordered=in_order,
-            timeout=timeout or None, generator=generator,
-            window=(prefetch_factor or 2) * max(1, num_workers), worker_init_fn=worker_init_fn,
-            persistent_workers=persistent_workers, pin_memory=pin_memory, pin_memory_device=pin_memory_device,
-            num_workers=max(1, num_workers), processes=max(1, num_workers),
-            shard=False, **plan)  # as torch's DataLoader: only a sampler the user gives shards under DDP
+            address, dataset, batch_size=self.batch_size if iterable else plan.pop("batch_size", 1),
+            **common, **plan)
         self.head_address = self._remote.address  # the dispatcher it chose
 
     def set_epoch(self, epoch: int) -> None:

@@ -66,8 +66,9 @@ class BatchPool:
     def death(self) -> tuple[int, int] | None:
         """The pid and exit code of a process that died by itself (a signal
         other than the pool's own SIGTERM first), when the pool just broke."""
-        with self._lock:
-            return None if self._closed else _death_in(self._executor) or self._last_death
+        # No lock: it is called from the executor's callbacks, which close() waits for with the lock held.
+        executor = self._executor
+        return None if self._closed or executor is None else _death_in(executor) or self._last_death
 
     def close(self) -> None:
         """Kills the processes (a batch still running is abandoned: the

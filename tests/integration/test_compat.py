@@ -138,3 +138,13 @@ def test_bug_dataset_raises_a_clear_error(cluster):
 def test_large_dataset_instance_warns_and_points_to_datasetspec(cluster):
     with pytest.warns(UserWarning, match=r"pickles to 6\.\d MB; use dpex.DatasetSpec"):
         DpexDataLoader(Big(), distribute_mode=True, head_address=cluster.address, batch_size=4).close()
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch_size=4, shuffle=True), dict(batch_size=None)])
+def test_a_dataset_spec_as_torch_plans_the_instance(cluster, kwargs):
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=10)
+    with DpexDataLoader(spec, distribute_mode=True, head_address=cluster.address,
+                        generator=torch.Generator().manual_seed(2), **kwargs) as dl:
+        theirs = DataLoader(Squares(10), generator=torch.Generator().manual_seed(2), **kwargs)
+        assert dl.dataset is spec and len(dl) == len(theirs)
+        assert [torch.as_tensor(b["y"]).tolist() for b in dl] == [torch.as_tensor(b["y"]).tolist() for b in theirs]
