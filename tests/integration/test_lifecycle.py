@@ -78,14 +78,22 @@ def all_exit(pids: list[int]) -> None:
         pytest.fail(f"still running: {left}")
 
 
-def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster():
-    trainer = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
-    children = [int(p) for p in trainer.stdout.readline().split()]
-    assert len(children) >= 3
-    trainer.send_signal(signal.SIGINT)
-    # Out in about half a second here; the bound leaves room for a loaded machine
-    # (before its worker stopped without draining, it took 10 s).
-    assert trainer.wait(5) != 0
+def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster(tmp_path):
+    stacks = tmp_path / "stacks"
+    with open(stacks, "w") as err:
+        trainer = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", SCRIPT], stdout=subprocess.PIPE,
+                                   stderr=err, text=True)
+        children = [int(p) for p in trainer.stdout.readline().split()]
+        assert len(children) >= 3
+        trainer.send_signal(signal.SIGINT)
+        # Out in about half a second here; the bound leaves room for a loaded machine
+        # (before its worker stopped without draining, it took 10 s).
+        try:
+            assert trainer.wait(5) != 0
+        except subprocess.TimeoutExpired:
+            trainer.send_signal(signal.SIGABRT)  # faulthandler: where every thread of it stands
+            trainer.wait(10)
+            pytest.fail("the trainer did not exit within 5 s of SIGINT:\n" + stacks.read_text()[-6000:])
     all_exit(children)
 
 
