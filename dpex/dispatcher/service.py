@@ -208,6 +208,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     @answered_durably
     def RegisterWorker(self, request, context):
+        self._trusted_only(context, "registers workers (whose batches trainers unpickle)")
         if not request.address or ":" not in request.address:
             raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
         worker_id = "w-" + secrets.token_hex(4)
@@ -281,16 +282,19 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._worker_gone(worker.worker_id)
         return dpb.DeregisterWorkerResponse()
 
+    def _trusted_only(self, context, what: str) -> None:
+        """Without a token, code and unpickled batches come only from loopback peers."""
+        if not (self._config.auth_token or self._config.allow_unauthenticated
+                or is_loopback_peer(context.peer())):
+            raise DpexAuthError(
+                f"this dispatcher has no auth token, so it {what} only from loopback peers; give it a token "
+                "(--auth-token-file / DPEX_AUTH_TOKEN) or --allow-unauthenticated")
+
     # ---- jobs and plans -----------------------------------------------------
     @servicer_method
     @answered_durably
     def GetOrCreateJob(self, request, context):
-        if not (self._config.auth_token or self._config.allow_unauthenticated
-                or is_loopback_peer(context.peer())):
-            raise DpexAuthError(
-                "this dispatcher has no auth token, so it takes jobs (which carry code for the workers) "
-                "only from loopback peers; give it a token (--auth-token-file / DPEX_AUTH_TOKEN) or "
-                "--allow-unauthenticated")
+        self._trusted_only(context, "takes jobs (which carry code for the workers)")
         job = request.job
         if job.num_consumers < 1:
             raise DpexConfigError("num_consumers must be >= 1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -20,15 +20,18 @@ __all__ = ["dumps", "loads"]
 loads = pickle.loads
 
 
-def dumps(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)``, keeping the file names of the code in it."""
+def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
+    """``cloudpickle.dumps(obj)``, keeping the file names of the code in it;
+    ``persistent_id`` as pickle's (what it names is left out of the pickle)."""
     out = io.BytesIO()
-    _Pickler(out).dump(obj)
+    _Pickler(out, persistent_id).dump(obj)
     return out.getvalue()
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, persistent_id: Callable[[Any], Any] | None = None) -> None:
+        if persistent_id is not None:  # before pickle's __init__, which looks it up
+            self.persistent_id = persistent_id
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._copies: dict[int, types.CodeType] = {}  # kept alive while pickling, so their ids stay theirs
 

@@ -12,14 +12,24 @@ list whose first item is a tag:
   ["I", decimal]                        int beyond 64 bits
   ["L", [node...]] / ["U", [node...]]   list / tuple
   ["D", [[key, value]...]]              dict (any encodable keys, order kept)
-  ["P", "module:qualname", [fields], [node...]]   namedtuple
+  ["P", "module:qualname", [fields], [node...]]   namedtuple of a class found by import
+  ["O", pickle, [node...]]             any other picklable value
 
-Offsets count from the start of the data section. No pickle: decoding builds
-only these types. Tensors and arrays are views into the payload, not copies.
+Offsets count from the start of the data section. Tensors and arrays are views
+into the payload, not copies, also inside an "O" value: its pickle refers to
+them by their place in the node list (pickle's persistent ids), so only the
+rest of the object is pickled. "O" is how a batch carries what torch's
+DataLoader would carry (the user's own classes, a Fraction, a set): pickled
+with cloudpickle on the worker, so that a class the trainer shipped by value
+comes back as that very class, and unpickled in the trainer, which trusts its
+workers as torch's DataLoader trusts its worker processes. A namedtuple whose
+class is imported by name on both sides stays "P", which never imports.
 """
 from __future__ import annotations
 
 import collections
+import io
+import pickle
 import struct
 import sys
 import warnings
@@ -30,6 +40,7 @@ import numpy as np
 import torch
 
 from dpex.errors import DpexWireError
+from dpex.wire import callables
 from dpex.wire.frame import frame_view
 
 MAGIC = b"DPX1"
@@ -60,13 +71,9 @@ class _Encoder:
             return obj
         if isinstance(obj, int):
             return obj if _INT_MIN <= obj <= _UINT_MAX else ["I", str(obj)]
-        if isinstance(obj, torch.Tensor):
-            return self.tensor(obj)
-        if isinstance(obj, np.ndarray):
-            return self.array(obj)
-        if isinstance(obj, np.generic):
-            if obj.dtype.hasobject:
-                raise DpexWireError(f"cannot encode numpy object scalar {obj!r}")
+        if _in_buffers(obj):
+            return self.tensor(obj) if isinstance(obj, torch.Tensor) else self.array(obj)
+        if isinstance(obj, np.generic) and not obj.dtype.hasobject:
             return ["S", np.lib.format.dtype_to_descr(obj.dtype), obj.tobytes()]
         if isinstance(obj, (bytes, bytearray, memoryview)):
             data = memoryview(obj).cast("B")
@@ -75,22 +82,34 @@ class _Encoder:
             return ["B", self.add(data), data.nbytes]
         if isinstance(obj, dict):
             return ["D", [[self.node(k), self.node(v)] for k, v in obj.items()]]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        if isinstance(obj, tuple) and hasattr(obj, "_fields") and _imported(type(obj)):
             cls = type(obj)
             return ["P", f"{cls.__module__}:{cls.__qualname__}", list(obj._fields),
                     [self.node(v) for v in obj]]
-        if isinstance(obj, tuple):
+        if type(obj) is tuple:
             return ["U", [self.node(v) for v in obj]]
-        if isinstance(obj, list):
+        if type(obj) is list:
             return ["L", [self.node(v) for v in obj]]
-        raise DpexWireError(
-            f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
-            "batches may hold tensors, numpy arrays, numbers, strings, bytes, None "
-            "and dicts/lists/tuples of them (use a collate_fn to convert other types)")
+        return self.pickled(obj)
+
+    def pickled(self, obj: Any) -> list:
+        nodes: list[Any] = []
+
+        def out_of_band(value: Any) -> int | None:
+            if _in_buffers(value):  # the pickle keeps only their place in ``nodes``
+                nodes.append(self.node(value))
+                return len(nodes) - 1
+            return None
+        try:
+            data = callables.dumps(obj, persistent_id=out_of_band)
+        except Exception as e:
+            raise DpexWireError(
+                f"cannot encode a value of type {type(obj).__module__}.{type(obj).__qualname__}: it does not "
+                f"pickle ({type(e).__name__}: {e}); batches may hold tensors, arrays and any picklable "
+                "value") from e
+        return ["O", data, nodes]
 
     def tensor(self, t: torch.Tensor) -> list:
-        if t.layout != torch.strided or t.is_quantized or t.is_meta:
-            raise DpexWireError(f"cannot encode a {t.layout} / quantized / meta tensor")
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -107,8 +126,6 @@ class _Encoder:
         return ["T", dtype, shape, self.add(data), data.nbytes]
 
     def array(self, a: np.ndarray) -> list:
-        if a.dtype.hasobject:
-            raise DpexWireError("cannot encode a numpy array of dtype object")
         shape = list(a.shape)  # ascontiguousarray turns 0-d into 1-d
         a = np.ascontiguousarray(a)
         descr = np.lib.format.dtype_to_descr(a.dtype)
@@ -186,11 +203,46 @@ class _Decoder:
                 return {_hashable(self.node(k)): self.node(v) for k, v in n[1]}
             if tag == "P":
                 return _namedtuple(n[1], n[2])(*(self.node(v) for v in n[3]))
+            if tag == "O":
+                return self.unpickled(n[1], n[2])
         except DpexWireError:
             raise
         except (ValueError, TypeError, IndexError, RuntimeError) as e:
             raise DpexWireError(f"corrupt batch payload: {type(e).__name__}: {e}") from e
         raise DpexWireError(f"corrupt batch payload: unknown tag {tag!r}")
+
+
+    def unpickled(self, data: bytes, nodes: list[Any]) -> Any:
+        decoder = self
+
+        class Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid: Any) -> Any:
+                if not isinstance(pid, int) or not 0 <= pid < len(nodes):
+                    raise DpexWireError(f"corrupt batch payload: no buffer {pid!r} for a pickled value")
+                return decoder.node(nodes[pid])
+        try:
+            return Unpickler(io.BytesIO(data)).load()
+        except DpexWireError:
+            raise
+        except Exception as e:
+            raise DpexWireError(f"a batch holds a value the trainer cannot unpickle: {type(e).__name__}: {e} "
+                                "(its module or class must be importable here, or defined in the script)") from e
+
+
+def _in_buffers(value: Any) -> bool:
+    """A plain strided tensor or a plain array of values: its data travels as a
+    buffer of the payload. Subclasses, sparse, quantized and object arrays are pickled."""
+    if type(value) is torch.Tensor:
+        return value.layout == torch.strided and not value.is_quantized and not value.is_meta
+    return type(value) is np.ndarray and not value.dtype.hasobject
+
+
+def _imported(cls: type) -> bool:
+    """The class is what its module and qualified name find, in a module already imported."""
+    obj: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
 
 
 def _descr(d: Any) -> Any:

@@ -1,5 +1,6 @@
 """Authentication: a shared token on every call between trainers, the
 dispatcher and workers; shipped code only from authenticated or loopback peers."""
+import itertools
 import os
 import socket
 import subprocess
@@ -93,14 +94,18 @@ def test_without_a_token_jobs_come_only_from_loopback(tmp_path, allow):
     try:
         wait_until(ready.exists, 30, "the dispatcher")
         port = ready.read_text().rsplit(":", 1)[1]
-        request = dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"x", num_consumers=1))
-        for address, accepted in ((f"127.0.0.1:{port}", True), (f"{host_ip()}:{port}", allow)):
+        # Jobs carry code for the workers; workers' batches are unpickled by trainers.
+        calls = [("GetOrCreateJob", dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"x", num_consumers=1)),
+                  dpb.GetOrCreateJobResponse, "job_id"),
+                 ("RegisterWorker", dpb.RegisterWorkerRequest(address="127.0.0.1:9"), dpb.RegisterWorkerResponse,
+                  "worker_id")]
+        for (method, request, response, field), (address, accepted) in itertools.product(
+                calls, ((f"127.0.0.1:{port}", True), (f"{host_ip()}:{port}", allow))):
             with channel(address) as ch:
-                stub = ch.unary_unary("/dpex.v1.Dispatcher/GetOrCreateJob",
-                                      request_serializer=dpb.GetOrCreateJobRequest.SerializeToString,
-                                      response_deserializer=dpb.GetOrCreateJobResponse.FromString)
+                stub = ch.unary_unary(f"/dpex.v1.Dispatcher/{method}", request_serializer=type(request).SerializeToString,
+                                      response_deserializer=response.FromString)
                 if accepted:
-                    assert stub(request, timeout=10).job_id
+                    assert getattr(stub(request, timeout=10), field)
                 else:
                     with pytest.raises(grpc.RpcError) as info:
                         stub(request, timeout=10)

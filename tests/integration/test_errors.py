@@ -43,9 +43,11 @@ def test_exception_in_collate(cluster):
 
 
 def test_unencodable_batch(cluster):
+    import threading
     with dpex.RemoteDataLoader(cluster.address, spec("Squares", n=8), batch_size=4,
-                               collate_fn=lambda s: {"bad": {1, 2}}, timeout=30) as dl:
-        with pytest.raises(dpex.DpexWorkerError, match="cannot encode a value of type builtins.set") as info:
+                               collate_fn=lambda s: {"bad": threading.Lock()}, timeout=30) as dl:
+        with pytest.raises(dpex.DpexWorkerError, match="cannot encode a value of type _thread.lock: it does not "
+                                                       "pickle") as info:
             list(dl)
     assert info.value.stage == "encode"
 
