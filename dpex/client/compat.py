@@ -127,7 +127,6 @@ class DpexDataLoader(DataLoader[_T_co]):
             remote = self._remote
             super().__init__(_Stream(remote._length) if remote._iterable else Indices(remote._length), **torch_args)
             object.__setattr__(self, "dataset", dataset)  # past torch's guard: the spec is the dataset
-            self.head_address = self._remote.address
             return
         # torch's own constructor: its checks with its words, its attributes.
         super().__init__(dataset, **torch_args)
@@ -138,7 +137,11 @@ class DpexDataLoader(DataLoader[_T_co]):
         self._remote = RemoteDataLoader(
             address, dataset, batch_size=self.batch_size if iterable else plan.pop("batch_size", 1),
             **common, **plan)
-        self.head_address = self._remote.address  # the dispatcher it chose
+
+    @property
+    def head_address(self) -> str:
+        """The dispatcher it chose (an embedded cluster's: once it serves)."""
+        return self._remote.address
 
     def set_epoch(self, epoch: int) -> None:
         self._remote.set_epoch(epoch)

@@ -140,8 +140,9 @@ class RemoteDataLoader:
     """Batches produced by Dpex workers, equal to what torch's DataLoader yields.
 
     ``address`` is the dispatcher's HOST:PORT (or ``dpex://HOST:PORT``); None
-    starts an embedded local cluster (``processes`` worker processes) that
-    lives as long as the loader; ``"auto"`` and Ray addresses are resolved as
+    is this process's embedded local cluster (``processes`` worker processes;
+    see :func:`dpex.launch.local.embedded`), started in the background by the
+    first loader that needs it and shared with the process's other loaders; ``"auto"`` and Ray addresses are resolved as
     ``DpexDataLoader``'s ``head_address`` (``dpex.launch.head``).
     ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
     files) or a dataset instance (shipped to the workers by value).
@@ -240,24 +241,20 @@ class RemoteDataLoader:
         self._token = token
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
+        self._address, self._target, self.job_id = address, f"dispatcher {address}", None
         try:
-            if address is None:
-                from dpex.launch.local import LocalCluster
-                # Nobody else uses it: its worker need not drain when the loader closes.
-                self._res.cluster = LocalCluster(num_workers=1, processes=processes or os.cpu_count() or 1,
-                                                 auth_token=token, drain_timeout_s=0)
-                address = self._res.cluster.address
-            self.address = address
-            self._target = f"dispatcher {address}"
-            self._res.channel = channel(address, token, ca)
-            self._res.stub = dgrpc.DispatcherStub(self._res.channel)
+            if address is None:  # started in the background, shared with this process's other loaders
+                from dpex.launch.local import embedded
+                self._res.cluster = embedded(processes or os.cpu_count() or 1, token)
+                self._target = "the embedded dispatcher"
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "
                     f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
                     "so that workers build it from their own local files", stacklevel=2)
             self._job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
-            self._create_job()
+            if not (self.embedded and self._instance is not None):  # else at the first iter()
+                self._connect()
             if self._instance is not None:
                 self._iterable = isinstance(dataset, tud.IterableDataset)
                 length, fingerprint = describe_dataset(dataset)
@@ -287,7 +284,7 @@ class RemoteDataLoader:
                 self._plan = tud.DataLoader(Indices(length), batch_size=batch_size, shuffle=shuffle,
                                             sampler=sampler, batch_sampler=batch_sampler,
                                             drop_last=drop_last, collate_fn=_as_list, generator=generator)
-            self._window = window or 4 * max(1, len(self._alive_workers()))
+            self._window = window or 4 * (1 if self.embedded else max(1, len(self._alive_workers())))
             self._pin = pin_target(pin_memory_device) if pin_memory else None
             if self._pin is not None:  # frames from other hosts arrive pinned
                 self._res.streams.read_frame = PinnedFrames(self._pin)
@@ -305,6 +302,11 @@ class RemoteDataLoader:
             return self._length
         whole, part = divmod(self._length, self._batch_size)
         return whole if self._drop_last or not part else whole + 1
+
+    @property
+    def address(self) -> str:
+        """The dispatcher's HOST:PORT (an embedded cluster's: once it serves)."""
+        return self._address if self._address is not None else self._res.cluster.address
 
     @property
     def embedded(self) -> bool:
@@ -327,6 +329,7 @@ class RemoteDataLoader:
         resume, self._resume = self._resume, None
         if self._instance is not None:
             self._ship_dataset()
+        self._connect()
         if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
             base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
@@ -490,6 +493,11 @@ class RemoteDataLoader:
             return
         for name, value in fields.items():
             setattr(job, name, value)
+        length, fingerprint = describe_dataset(self._instance)
+        self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
+        self._length = length
+        if self.job_id is None:  # not made yet: _connect() makes it of this definition
+            return
         release = self._res.release
         if release is not None:  # the job of the old definition: its workers may drop it now
             try:
@@ -497,9 +505,18 @@ class RemoteDataLoader:
             except DpexError as e:
                 log.debug("could not release the previous job: %s", e)
         self._create_job()
-        length, fingerprint = describe_dataset(self._instance)
-        self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
-        self._length = length
+
+    def _connect(self) -> None:
+        """Reaches the dispatcher and makes the job, once: at construction, or
+        (a dataset instance on the embedded cluster, which starts in the
+        background) at the first ``iter()``."""
+        if self._res.stub is not None:
+            return
+        self._address = self.address
+        self._target = f"dispatcher {self._address}"
+        self._res.channel = channel(self._address, self._token, self._tls_ca)
+        self._res.stub = dgrpc.DispatcherStub(self._res.channel)
+        self._create_job()
 
     def _create_job(self) -> None:
         """Gets or creates the job (again, if the dispatcher collected it)."""

@@ -1,6 +1,7 @@
 """LocalCluster: a dispatcher and workers as local processes on loopback ports."""
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -235,3 +236,133 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ---- the embedded cluster of a trainer process ------------------------------------------
+EMBEDDED_LINGER_S = 10.0  # an idle embedded cluster waits this long for the next loader, then stops
+
+
+class Embedded:
+    """A lease on this process's embedded cluster (one dispatcher, one worker of
+    ``processes`` processes). The first loader to need one starts it in the
+    background, so that constructing a loader does not wait for daemons; the
+    loaders of a script (train and validation, a new loader each epoch) share
+    it; it stops ``EMBEDDED_LINGER_S`` after the last lease is closed, and at
+    interpreter exit."""
+
+    def __init__(self, shared: "_Shared") -> None:
+        self._shared: _Shared | None = shared
+
+    @property
+    def address(self) -> str:
+        """The dispatcher's address, once it serves (waits for the start)."""
+        if self._shared is None:
+            raise DpexConfigError("this embedded cluster lease is closed")
+        return self._shared.address()
+
+    def close(self) -> None:
+        """Gives the lease back; safe to call more than once."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            _release(shared)
+
+
+class _Shared:
+    """One embedded cluster and the thread that owns it: the daemons are its
+    children (PR_SET_PDEATHSIG fires when the thread that started a process
+    ends), so it lives until the cluster is stopped."""
+
+    def __init__(self, key: tuple[int, str | None]) -> None:
+        self.key = key
+        self.users = 0
+        self.idle: threading.Timer | None = None
+        self._cluster: LocalCluster | None = None
+        self._error: BaseException | None = None
+        self._ready, self._stop = threading.Event(), threading.Event()
+        # A daemon thread, so that exit is not held up before stop_embedded() (atexit) stops it.
+        self._owner = threading.Thread(target=self._run, name="dpex-embedded", daemon=True)
+        self._owner.start()
+
+    def _run(self) -> None:
+        processes, token = self.key
+        try:
+            # Nobody else uses it: its worker need not drain when it stops.
+            self._cluster = LocalCluster(num_workers=1, processes=processes, auth_token=token, drain_timeout_s=0)
+        except BaseException as e:  # noqa: BLE001 - raised to every loader that waits for it
+            self._error = e
+        finally:
+            self._ready.set()
+        self._stop.wait()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def address(self) -> str:
+        self._ready.wait()
+        if self._error is not None:
+            raise DpexError(f"the embedded cluster did not start: {self._error}") from self._error
+        assert self._cluster is not None
+        return self._cluster.address
+
+    def close(self) -> None:
+        """Stops the cluster and waits for it."""
+        self._stop.set()
+        self._owner.join()
+
+
+_embedded: dict[tuple[int, str | None], _Shared] = {}
+_embedded_lock = threading.Lock()
+
+
+def embedded(processes: int, auth_token: str | None) -> Embedded:
+    """A lease on this process's embedded cluster of ``processes`` worker processes."""
+    key = (processes, auth_token)
+    with _embedded_lock:
+        shared = _embedded.get(key)
+        if shared is None or shared.failed:
+            if shared is not None:
+                shared.close()
+            shared = _embedded[key] = _Shared(key)
+        shared.users += 1
+        if shared.idle is not None:
+            shared.idle.cancel()
+            shared.idle = None
+    return Embedded(shared)
+
+
+def _release(shared: _Shared) -> None:
+    with _embedded_lock:
+        shared.users -= 1
+        if shared.users > 0 or _embedded.get(shared.key) is not shared:
+            return
+        # A daemon timer: it never delays exit, where stop_embedded() stops the cluster.
+        shared.idle = threading.Timer(EMBEDDED_LINGER_S, _stop_idle, args=(shared,))
+        shared.idle.daemon = True
+        shared.idle.start()
+
+
+def _stop_idle(shared: _Shared) -> None:
+    with _embedded_lock:
+        if shared.users > 0 or _embedded.get(shared.key) is not shared:
+            return
+        del _embedded[shared.key]
+    shared.close()
+
+
+def stop_embedded() -> None:
+    """Stops this process's embedded clusters now (run at interpreter exit);
+    a loader made later starts a new one."""
+    with _embedded_lock:
+        stopping = list(_embedded.values())
+        _embedded.clear()
+        for shared in stopping:
+            if shared.idle is not None:
+                shared.idle.cancel()
+    for shared in stopping:
+        shared.close()
+
+
+atexit.register(stop_embedded)

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import dpex
+from dpex.launch import local
 from dpex.testing import descendants, pids_alive, test_cluster, wait_until
 from dpex.worker import handoff
 
@@ -43,7 +44,8 @@ def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
     assert not any(os.path.exists(d) for d in directories)
 
 
-def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch():
+def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch(monkeypatch):
+    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 0.5)
     before = set(descendants(os.getpid()))
     loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
                                    batch_size=4, processes=1, timeout=60)
@@ -53,8 +55,29 @@ def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch():
     assert started and dpex_threads()
     del loader, it
     gc.collect()
-    assert pids_alive(started) == []
+    # The embedded cluster waits EMBEDDED_LINGER_S for another loader of this process, then stops.
+    wait_until(lambda: pids_alive(started) == [], 30, "the embedded cluster to stop")
     wait_until(lambda: not dpex_threads(), 10, "dpex threads to end")
+
+
+def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_background(monkeypatch):
+    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 60.0)
+    before = set(descendants(os.getpid()))
+    train = dpex.DpexDataLoader(list(range(10)), distribute_mode=True, batch_size=4, num_workers=1)
+    assert train._remote._res.stub is None  # constructed without waiting for the daemons: none contacted yet
+    assert [b.tolist() for b in train] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    started = [p for p in descendants(os.getpid()) if p not in before]
+    val = dpex.DpexDataLoader(list(range(20, 23)), distribute_mode=True, batch_size=2, num_workers=1)
+    assert val.head_address == train.head_address  # the same dispatcher
+    assert [b.tolist() for b in val] == [[20, 21], [22]]
+    train.close()
+    val.close()
+    again = dpex.DpexDataLoader(list(range(3)), distribute_mode=True, batch_size=3, num_workers=1)
+    assert [b.tolist() for b in again] == [[0, 1, 2]]  # within the linger: the same cluster again
+    assert [p for p in descendants(os.getpid()) if p not in before and p not in started] == []
+    again.close()
+    local.stop_embedded()  # as at interpreter exit
+    assert pids_alive(started) == []
 
 
 SCRIPT = textwrap.dedent("""

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from dpex import DpexDataLoader
+from dpex.launch import local
 from dpex.testing import descendants, pids_alive, wait_until
 from dpex.testing.datasets import Squares
 
@@ -75,6 +76,7 @@ def test_bug_dataset_fails_with_a_clear_error(cluster, tmp_path):
 
 def test_deleting_a_loader_mid_epoch_leaves_nothing_behind(monkeypatch):
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": an embedded cluster
+    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 0.5)  # then it waits that long for another loader
     before = set(descendants(os.getpid()))
     loader = DpexDataLoader(Squares(64), distribute_mode=True, batch_size=4, num_workers=1)
     it = iter(loader)
@@ -83,7 +85,7 @@ def test_deleting_a_loader_mid_epoch_leaves_nothing_behind(monkeypatch):
     assert started
     del loader, it
     gc.collect()
-    assert pids_alive(started) == []
+    wait_until(lambda: pids_alive(started) == [], 30, "the embedded cluster to stop")
     ours = lambda: [t.name for t in threading.enumerate() if t.name.startswith("dpex")]  # noqa: E731
     try:
         wait_until(lambda: not ours(), 10, "dpex threads to end")

@@ -2,8 +2,12 @@
 and through DpexDataLoader(distribute_mode=True) unchanged, and what comes
 out (values and their types, exceptions, warnings, len, argument errors) must
 be the same. Scenarios follow torch's own DataLoader tests."""
+import collections
+import dataclasses
+import fractions
 import multiprocessing
 import re
+import subprocess
 import sys
 import warnings
 
@@ -385,3 +389,79 @@ def test_worker_init_fn_and_getitem_see_one_dataset(cluster):
                                                      batch_size=2, num_workers=1, worker_init_fn=ds.init))
                               for cls, ds in ((DataLoader, InitSetsState()), (DpexDataLoader, InitSetsState()))]
     assert theirs == ours == [("batch", ("tensor", "torch.int64", (2,), [7, 7]))] * 2
+
+
+# ---- the user's own classes come back as themselves (torch's TestNamedTupleDataLoader) ------------------
+class NamedTupleDataset(Dataset):
+    Batch = collections.namedtuple("Batch", ["data", "label"])  # found by no import path
+
+    @dataclasses.dataclass
+    class Sample:
+        value: torch.Tensor
+        weight: fractions.Fraction
+
+    def __init__(self, records=True):
+        self.records = records
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if self.records:
+            return self.Batch(torch.tensor([i]), i)
+        return self.Sample(torch.full((2,), i), fractions.Fraction(i, 3))
+
+
+def _as_is(samples):
+    return samples
+
+
+@pytest.mark.parametrize("records,kwargs", [(True, dict(batch_size=2)), (True, dict(batch_size=None)),
+                                            (False, dict(batch_size=None)),
+                                            (False, dict(batch_size=2, collate_fn=_as_is))])
+def test_the_users_classes_come_back_as_themselves(cluster, records, kwargs):
+    def types(value):
+        if isinstance(value, (list, tuple)):
+            return (type(value), [types(v) for v in value])
+        return type(value)
+    outcomes = []
+    for cls, extra in ((DataLoader, {}), (DpexDataLoader, dict(distribute_mode=True, head_address=cluster.address))):
+        batches = list(cls(NamedTupleDataset(records), **kwargs, **extra))
+        outcomes.append(([types(b) for b in batches], repr(batches)))
+    assert outcomes[0] == outcomes[1]
+    first = outcomes[1][0][0]
+    assert (first[0] if isinstance(first, tuple) else first) in (NamedTupleDataset.Batch, NamedTupleDataset.Sample,
+                                                                 list)
+
+
+SCRIPT = """
+import dataclasses, sys
+import torch
+from torch.utils.data import Dataset
+from dpex import DpexDataLoader
+
+@dataclasses.dataclass
+class Pair:                       # defined in __main__: travels by value, comes back as this class
+    x: torch.Tensor
+    tag: set
+
+class Pairs(Dataset):
+    def __len__(self):
+        return 3
+    def __getitem__(self, i):
+        return Pair(torch.tensor(i), {i})
+
+loader = DpexDataLoader(Pairs(), distribute_mode=True, head_address=sys.argv[1], batch_size=None)
+got = list(loader)
+assert all(type(p) is Pair for p in got), [type(p) for p in got]
+print([(p.x.item(), p.tag) for p in got])
+"""
+
+
+def test_a_class_defined_in_the_main_script_comes_back_as_itself(cluster, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), cluster.address], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[(0, {0}), (1, {1}), (2, {2})]"
