@@ -151,11 +151,21 @@ class NetnsCluster:
 
     def run_trainer(self, epochs: int, delay_s: float) -> subprocess.Popen:
         """Starts dpex.testing.nodes' trainer in the trainer's namespace (no data there)."""
-        env = {k: v for k, v in os.environ.items() if k != "DPEX_NODE_DATA"}
-        env[TOKEN_ENV] = self.token
         return subprocess.Popen(["ip", "netns", "exec", self.ns("trainer"), sys.executable, "-m",
                                  "dpex.testing.nodes", "train", self.address, str(self.samples), str(epochs),
-                                 str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                 str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=self._trainer_env())
+
+    def run(self, node: str, args: list[str], cwd: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        """Runs ``python ARGS`` on ``node`` (with the cluster's token) to its end."""
+        return subprocess.run(["ip", "netns", "exec", self.ns(node), sys.executable, *args], capture_output=True,
+                              text=True, env=self._trainer_env(), cwd=cwd, timeout=timeout)
+
+    def _trainer_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "DPEX_NODE_DATA"}
+        env[TOKEN_ENV] = self.token
+        return env
 
     # ---- teardown -------------------------------------------------------------------
     def close(self) -> None:

@@ -186,8 +186,10 @@ def both(cluster, dataset_fn, catch=True, **kwargs):
     def make(cls, **extra):
         def build():
             kw = dict(kwargs)
-            if cls is DataLoader and kw.get("num_workers") and "multiprocessing_context" not in kw:
-                kw["multiprocessing_context"] = "spawn"  # fork would copy this process's gRPC threads
+            if cls is DataLoader and kw.get("num_workers") and kw.get("multiprocessing_context") in (None, "fork"):
+                # Fork would copy this process's gRPC threads (a forked worker may hang); what
+                # "context_fork" checks is that Dpex accepts the argument as torch does.
+                kw["multiprocessing_context"] = "spawn"
             if gen is not None:
                 kw["generator"] = torch.Generator().manual_seed(gen)
             return cls(dataset_fn(), **extra, **kw)
