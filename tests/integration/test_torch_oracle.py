@@ -467,3 +467,37 @@ def test_a_class_defined_in_the_main_script_comes_back_as_itself(cluster, tmp_pa
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[(0, {0}), (1, {1}), (2, {2})]"
+
+
+# ---- batch_size=None through resume and DDP -------------------------------------------------------------
+@pytest.mark.parametrize("sampler", [None, ListSampler()], ids=["shuffled", "index lists"])
+def test_an_unbatched_loader_resumes_exactly_and_its_epoch_is_torchs(cluster, sampler):
+    def make(cls=DpexDataLoader, **extra):
+        return cls(Mixed(8), batch_size=None, shuffle=sampler is None, sampler=sampler,
+                   generator=torch.Generator().manual_seed(4), **extra)
+    ours = dict(distribute_mode=True, head_address=cluster.address)
+    loader = make(**ours)
+    whole = [plain(x) for _ in range(2) for x in loader]
+    theirs = make(DataLoader)
+    assert whole == [plain(x) for _ in range(2) for x in theirs]
+    stop_at = 3
+    first, it = [], iter(make(**ours))
+    loader = it._loader
+    for x in it:
+        first.append(plain(x))
+        if len(first) == stop_at:
+            break
+    state = loader.state_dict()
+    resumed = make(**ours)
+    resumed.load_state_dict(state)
+    rest = [plain(x) for x in resumed] + [plain(x) for x in resumed]
+    assert first + rest == whole
+
+
+def test_unbatched_ddp_consumers_get_distributed_samplers_shares(cluster):
+    for rank in range(2):
+        theirs = DataLoader(Mixed(7), batch_size=None,
+                            sampler=torch.utils.data.DistributedSampler(Mixed(7), num_replicas=2, rank=rank, seed=3))
+        with dpex.RemoteDataLoader(cluster.address, Mixed(7), batch_size=None, shuffle=True, seed=3,
+                                   num_consumers=2, consumer_index=rank, job_name="unbatched-ddp") as ours:
+            assert [plain(x) for x in ours] == [plain(x) for x in theirs]
