@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import fractions
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -501,3 +502,18 @@ def test_unbatched_ddp_consumers_get_distributed_samplers_shares(cluster):
         with dpex.RemoteDataLoader(cluster.address, Mixed(7), batch_size=None, shuffle=True, seed=3,
                                    num_consumers=2, consumer_index=rank, job_name="unbatched-ddp") as ours:
             assert [plain(x) for x in ours] == [plain(x) for x in theirs]
+
+
+def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
+    from dpex.launch import local
+    monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": the embedded cluster, on this machine's cores
+    n = len(os.sched_getaffinity(0)) + 1
+    said = []
+    for cls, extra in ((DataLoader, dict(multiprocessing_context="spawn")), (DpexDataLoader, dict(distribute_mode=True))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = cls(list(range(4)), batch_size=2, num_workers=n, **extra)
+            assert next(iter(loader)).tolist() == [0, 1]
+        said.append([str(w.message) for w in caught if "worker processes in total" in str(w.message)])
+    local.stop_embedded()
+    assert said[0] == said[1] and said[0]
