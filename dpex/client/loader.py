@@ -74,12 +74,24 @@ def _code_fields(spec: DatasetSpec, collate_fn: Callable | None, worker_init_fn:
     functions in one pickle (JobDef.bundled): a bound method of the dataset
     then runs on the worker's very copy, as in torch's workers."""
     if not bundled:
-        return dict(dataset=callables.dumps(spec),
-                    collate=callables.dumps(collate_fn) if collate_fn is not None else b"",
-                    worker_init_fn=callables.dumps(worker_init_fn) if worker_init_fn is not None else b"")
-    digest = lambda fn: hashlib.sha256(callables.dumps(fn)).digest() if fn is not None else b""  # noqa: E731
-    return dict(dataset=callables.dumps((spec, collate_fn, worker_init_fn)), collate=digest(collate_fn),
-                worker_init_fn=digest(worker_init_fn), bundled=True)
+        return dict(dataset=_shipped(spec, "the dataset spec"),
+                    collate=_shipped(collate_fn, "collate_fn") if collate_fn is not None else b"",
+                    worker_init_fn=_shipped(worker_init_fn, "worker_init_fn") if worker_init_fn is not None else b"")
+    digest = lambda fn, what: hashlib.sha256(_shipped(fn, what)).digest() if fn is not None else b""  # noqa: E731
+    return dict(dataset=_shipped((spec, collate_fn, worker_init_fn), "the dataset"),
+                collate=digest(collate_fn, "collate_fn"), worker_init_fn=digest(worker_init_fn, "worker_init_fn"),
+                bundled=True)
+
+
+def _shipped(obj: Any, what: str) -> bytes:
+    """``obj`` pickled for the workers, or an error that says why it cannot travel."""
+    try:
+        return callables.dumps(obj)
+    except Exception as e:
+        raise DpexConfigError(
+            f"{what} cannot be shipped to the Dpex workers, which may run on other hosts and get it as a "
+            f"pickle: {type(e).__name__}: {e} (shared-memory objects such as an mp.Value, Lock or Semaphore "
+            "cannot cross hosts: make them on the workers, e.g. in worker_init_fn)") from e
 
 
 class _Constant:

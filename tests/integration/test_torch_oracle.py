@@ -517,3 +517,22 @@ def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
         said.append([str(w.message) for w in caught if "worker processes in total" in str(w.message)])
     local.stop_embedded()
     assert said[0] == said[1] and said[0]
+
+
+class SharedCounter(Dataset):
+    """Shared memory of this machine inside the dataset (torch's test_dataloader has such)."""
+
+    def __init__(self):
+        self.count = multiprocessing.get_context("spawn").Value("i", 0)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_what_cannot_cross_hosts_is_refused_with_the_reason():
+    with pytest.raises(dpex.DpexConfigError, match=r"the dataset cannot be shipped to the Dpex workers, which may run "
+                                                   r"on other hosts .*Synchronized objects .*mp\.Value"):
+        DpexDataLoader(SharedCounter(), distribute_mode=True, head_address="127.0.0.1:1", batch_size=2)
