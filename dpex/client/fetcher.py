@@ -199,10 +199,12 @@ class EpochFetcher:
                  timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
                  meter: StatsMeter | None = None, leave: Callable[[], None] | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, report: Callable[[str, str], None] | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
-        ``leave()`` tells the dispatcher the epoch was left unfinished.
+        ``leave()`` tells the dispatcher the epoch was left unfinished;
+        ``report(address, error)`` that a worker's stream broke (a worker found
+        gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
         resumed epoch starts with those of its checkpoint, never fetched again."""
         self._streams = streams
@@ -217,6 +219,7 @@ class EpochFetcher:
         self._ledger: Ledger[tuple[wpb.Batch, Any, int]] = Ledger(num_batches, num_streams, self.progress)
         self._router = Router(num_streams)
         self._corrupt: dict[str, int] = {}  # address -> corrupt frames it sent
+        self._report = report
         self._meter = meter or StatsMeter()
         self._closed = False
         self._interrupted = False
@@ -339,6 +342,8 @@ class EpochFetcher:
             if failures % 10 == 1:  # a dead worker fails every backoff until the dispatcher notices
                 log.warning("stream to worker %s failed (%s, %d times); asking for its batches again",
                             got.address, describe(got.error), failures)
+                if self._report is not None:
+                    self._report(got.address, describe(got.error))
             self._restart_stream(got.address)
             return False
         try:

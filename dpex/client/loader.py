@@ -154,8 +154,9 @@ class RemoteDataLoader:
     ``address`` is the dispatcher's HOST:PORT (or ``dpex://HOST:PORT``); None
     is this process's embedded local cluster (``processes`` worker processes;
     see :func:`dpex.launch.local.embedded`), started in the background by the
-    first loader that needs it and shared with the process's other loaders; ``"auto"`` and Ray addresses are resolved as
-    ``DpexDataLoader``'s ``head_address`` (``dpex.launch.head``).
+    first loader that needs it and shared with the process's other loaders;
+    ``"auto"`` and Ray addresses are resolved as ``DpexDataLoader``'s
+    ``head_address`` (``dpex.launch.head``).
     ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
     files) or a dataset instance (shipped to the workers by value).
     ``num_consumers``/``consumer_index`` default to the world size and rank
@@ -322,7 +323,7 @@ class RemoteDataLoader:
 
     @property
     def embedded(self) -> bool:
-        """Its workers are an embedded cluster's, on this machine, started for this loader."""
+        """Its workers are this process's embedded cluster's, on this machine."""
         return self._res.cluster is not None
 
     def set_epoch(self, epoch: int) -> None:
@@ -384,7 +385,9 @@ class RemoteDataLoader:
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
-            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress)
+            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress,
+            report=lambda address, error: _send_and_forget(
+                stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)))
         self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                    progress, streams, resume.reshard if resume is not None else None)
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)

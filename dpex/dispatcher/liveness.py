@@ -2,6 +2,7 @@
 what has gone silent. Clock time lives here, not in the pure state machine."""
 from __future__ import annotations
 
+import socket
 import time
 from typing import Callable, Iterable
 
@@ -90,3 +91,16 @@ class Liveness:
         """Jobs nobody called about for ``timeout_s`` (a job never heard of counts from now)."""
         now = self.clock()
         return [j for j in job_ids if now - self._jobs.setdefault(j, now) > timeout_s]
+
+
+def unreachable(address: str, timeout_s: float = 1.0) -> str | None:
+    """Why nothing accepts TCP connections at ``address`` (HOST:PORT), or None
+    when something does. A killed worker's port refuses at once; a frozen or
+    merely slow one still accepts (its kernel does), and is left to its
+    heartbeat timeout."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"

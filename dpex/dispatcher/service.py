@@ -15,7 +15,7 @@ import time
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.store import Store
-from dpex.dispatcher.liveness import Liveness
+from dpex.dispatcher.liveness import Liveness, unreachable
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.state import DispatcherState, Plan
 from dpex.dispatcher.waiters import Waiters
@@ -282,6 +282,32 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._worker_gone(worker.worker_id)
         return dpb.DeregisterWorkerResponse()
 
+    @servicer_method
+    @answered_durably
+    def ReportWorker(self, request, context):
+        with self._lock:
+            reported = [w.worker_id for w in self._state.alive_workers() if w.address == request.address]
+        if not reported:
+            return dpb.ReportWorkerResponse(lost=False)
+        why = unreachable(request.address)  # the lock is not held across the probe
+        if why is None:  # a healthy worker whose stream broke for another reason stays
+            log.info("a trainer's stream to a worker broke, but the worker accepts connections; keeping it",
+                     extra=fields(address=request.address, trainer=context.peer(), error=request.error))
+            return dpb.ReportWorkerResponse(lost=False)
+        lost = False
+        with self._lock:
+            for worker_id in reported:
+                worker = self._state.workers.get(worker_id)
+                if worker is not None and worker.alive:
+                    log.warning("worker is gone (a trainer's stream to it broke and its port refuses "
+                                "connections: %s); marking it lost", why,
+                                extra=fields(worker_id=worker_id, address=worker.address,
+                                             splits_replanned=len(worker.held), trainer=context.peer()))
+                    self._apply(worker_lost=jpb.WorkerLost(worker_id=worker_id))
+                    self._worker_gone(worker_id)
+                    lost = True
+        return dpb.ReportWorkerResponse(lost=lost)
+
     def _trusted_only(self, context, what: str) -> None:
         """Without a token, code and unpickled batches come only from loopback peers."""
         if not (self._config.auth_token or self._config.allow_unauthenticated
@@ -309,9 +335,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
                             " (a dataset or function pickled by value - a class or function defined in "
                             "__main__ - pickles differently in each process: name it with "
                             "DatasetSpec('module:attr') to share a job across processes)")
+                    values = "; ".join(f"{name}={getattr(job, name)!r} here, {getattr(existing.definition, name)!r} "
+                                       "in the job" for name in differ if name in dpb.JobDef.DESCRIPTOR.fields_by_name
+                                       and name not in _CODE)
                     raise DpexConflictError(
-                        f"job {job.name!r} already exists with a different {', '.join(differ)}; "
-                        f"use another job_name or the same arguments{hint}")
+                        f"job {job.name!r} already exists with a different {', '.join(differ)}"
+                        f"{f' ({values})' if values else ''}; use another job_name or the same arguments{hint}")
                 self._seen.job(existing.job_id)
                 return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
             job_id = secrets.randbits(63)

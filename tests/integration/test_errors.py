@@ -159,9 +159,15 @@ def test_job_name_conflict(cluster):
                               (dict(worker_init_fn=print), "worker_init_fn"),
                               (dict(collate_fn=list), "collate_fn"), (dict(compression="lz4"), "compression"),
                               (dict(batch_size=3, drop_last=True), "batch_size, drop_last")]:
-            with pytest.raises(dpex.DpexConflictError, match=f"'shared' already exists with a different {names};"):
+            with pytest.raises(dpex.DpexConflictError, match=f"'shared' already exists with a different {names}[ ;]"):
                 dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared", timeout=30,
                                       **kwargs)
+        with pytest.raises(dpex.DpexConflictError) as info:  # the two values of each setting are named
+            dpex.RemoteDataLoader(cluster.address, spec("Squares", n=10), job_name="shared", batch_size=3,
+                                  drop_last=True, compression="lz4")
+        assert ("different batch_size, drop_last, compression (batch_size=3 here, 1 in the job; drop_last=True "
+                "here, False in the job; compression='lz4' here, '' in the job); use another job_name"
+                in str(info.value))
     finally:
         a.close()
 

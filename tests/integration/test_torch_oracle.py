@@ -509,7 +509,8 @@ def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": the embedded cluster, on this machine's cores
     n = len(os.sched_getaffinity(0)) + 1
     said = []
-    for cls, extra in ((DataLoader, dict(multiprocessing_context="spawn")), (DpexDataLoader, dict(distribute_mode=True))):
+    for cls, extra in ((DataLoader, dict(multiprocessing_context="spawn")),
+                       (DpexDataLoader, dict(distribute_mode=True))):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loader = cls(list(range(4)), batch_size=2, num_workers=n, **extra)

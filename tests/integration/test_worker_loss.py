@@ -16,11 +16,16 @@ N, B = 240, 4
 EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-def test_lost_worker_mid_epoch_loses_and_duplicates_nothing(sig):
-    with test_cluster(num_workers=3) as c:
+# A killed worker is marked lost when a trainer reports its broken stream (its port refuses
+# connections): the heartbeat timeout, far beyond the loader's timeout, cannot explain a finished
+# epoch. A frozen one still accepts connections: it is lost at its heartbeat timeout.
+@pytest.mark.parametrize("sig,heartbeat_timeout_s", [(signal.SIGKILL, 60.0), (signal.SIGSTOP, None)],
+                         ids=["killed", "frozen"])
+def test_lost_worker_mid_epoch_loses_and_duplicates_nothing(sig, heartbeat_timeout_s):
+    hb = {} if heartbeat_timeout_s is None else dict(heartbeat_timeout_s=heartbeat_timeout_s)
+    with test_cluster(num_workers=3, **hb) as c:
         spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=N, delay_s=0.005)
-        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=60) as dl:
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=20) as dl:
             for epoch in range(2):
                 got = []
                 for i, batch in enumerate(dl):
@@ -29,7 +34,12 @@ def test_lost_worker_mid_epoch_loses_and_duplicates_nothing(sig):
                         victim = c.workers[0]
                         victim.process.send_signal(sig)
                 assert got == EXPECTED  # complete, no duplicates, in plan order
+        log = c.dispatcher.log_tail(80)
+        if sig == signal.SIGKILL:
+            assert "worker is gone (a trainer's stream to it broke and its port refuses connections" in log
+            assert "missed its heartbeat timeout" not in log
         if sig == signal.SIGSTOP:
+            assert "missed its heartbeat timeout" in log
             victim.process.send_signal(signal.SIGCONT)
 
 
@@ -62,6 +72,17 @@ def test_a_worker_restarted_on_the_same_address_rejoins_cleanly():
                 assert ids == list(range(240))
         restarted = c.workers[0]
         assert restarted.process.poll() is None
+
+
+def test_a_reported_worker_that_still_accepts_connections_is_kept():
+    with test_cluster(num_workers=1, heartbeat_timeout_s=60.0) as c:
+        with channel(c.address) as ch:
+            stub = dgrpc.DispatcherStub(ch)
+            for address in (c.workers[0].address, "127.0.0.1:1"):  # a live worker; no worker at all
+                answer = stub.ReportWorker(dpb.ReportWorkerRequest(address=address, error="test"), timeout=10)
+                assert answer.lost is False
+            status = stub.GetStatus(dpb.GetStatusRequest(), timeout=10)
+        assert [w.state for w in status.workers] == ["alive"]
 
 
 def test_sigterm_drains_a_worker_without_waiting_for_its_heartbeat_timeout():
