@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import random
 import threading
 import time
@@ -175,16 +176,27 @@ class Outage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.since: float | None = None
+        self._said = 0.0  # when the outage was last logged
 
     def failed(self, now: float) -> float:
         """Records a failed attempt; when the outage began (``now``: this is its first)."""
         with self._lock:
             if self.since is None:
-                self.since = now
+                self.since = self._said = now
             return self.since
+
+    def say_again(self, now: float, every_s: float = 30.0) -> bool:
+        """Whether a long outage is due to be logged again (once per ``every_s``)."""
+        with self._lock:
+            if now - self._said < every_s:
+                return False
+            self._said = now
+            return True
 
     def over(self) -> None:
         with self._lock:
+            if self.since is not None and self._said > self.since:  # a long one, logged: say it ended
+                log.warning("reached again after an outage of %.0fs", time.monotonic() - self.since)
             self.since = None
 
 
@@ -225,9 +237,13 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
                 if retry_for_s > 0:
                     error.args = (f"{error} (unreachable for {now - since:.0f}s)",)
                 raise error from None
+            why = (e.details() if hasattr(e, "details") else None) or code
             if since == now:  # the first failure of this outage
-                log.warning("cannot reach %s (%s); retrying for %.0fs", target,
-                            (e.details() if hasattr(e, "details") else None) or code, deadline - now)
+                log.warning("cannot reach %s (%s); retrying %s", target, why,
+                            f"for {deadline - now:.0f}s" if deadline < math.inf else "until it is back")
+            elif outage.say_again(now):
+                log.warning("still cannot reach %s after %.0fs (%s); retrying %s", target, now - since, why,
+                            f"for {deadline - now:.0f}s more" if deadline < math.inf else "until it is back")
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
         delay = min(delay * 2, 1.0)
 

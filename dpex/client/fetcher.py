@@ -16,7 +16,8 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
-from dpex.errors import DpexCancelledError, DpexConfigError, DpexError, DpexTimeoutError, DpexWireError, rebuild
+from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConnectionError, DpexError, DpexTimeoutError,
+                         DpexWireError, rebuild)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
@@ -215,6 +216,7 @@ class EpochFetcher:
         self._group = max(1, window // 4)  # credits go out in groups: one message per group
         self._ordered = ordered
         self._timeout_s = timeout_s
+        self._outage, self._target = outage, target
         self.progress = progress or Progress()
         self._ledger: Ledger[tuple[wpb.Batch, Any, int]] = Ledger(num_batches, num_streams, self.progress)
         self._router = Router(num_streams)
@@ -285,6 +287,11 @@ class EpochFetcher:
                 now = time.monotonic()
                 if self._timeout_s is not None and now - last_progress > self._timeout_s:
                     self.close()
+                    since = self._outage.since if self._outage is not None else None
+                    if since is not None:  # the cause: the dispatcher is down (its outage had as long)
+                        raise DpexConnectionError(self._waiting_for(
+                            f"no batch arrived for {self._timeout_s:g}s and {self._target} has been unreachable "
+                            f"for {now - since:.0f}s"))
                     raise DpexTimeoutError(self._waiting_for(f"no batch arrived for {self._timeout_s:g}s"))
                 if now - last_log > _WAIT_LOG_S:
                     last_log = now

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import secrets
 import threading
@@ -166,7 +167,9 @@ class RemoteDataLoader:
     sampler, consumer k plans DistributedSampler's k-th share
     (``shard=False``: the whole dataset, as torch's DataLoader).
     ``timeout`` is how many seconds to wait for the next batch before raising
-    (None: wait as long as it takes). ``window`` batches are requested ahead.
+    (None: wait as long as it takes), and how long an outage of the dispatcher
+    is ridden out once it was reached (``connect_timeout`` before that).
+    ``window`` batches are requested ahead.
     As with torch's DataLoader, each worker process seeds itself from the
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
@@ -383,7 +386,7 @@ class RemoteDataLoader:
             stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._connect_timeout, outage=self._outage, dataset=self._dataset,
+            retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
             leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress,
             report=lambda address, error: _send_and_forget(
@@ -471,7 +474,16 @@ class RemoteDataLoader:
     # ---- internals --------------------------------------------------------------------
     def _call(self, method: Any, request: Any) -> Any:
         return call(method, request, target=self._target, timeout_s=60,
-                    retry_for_s=self._connect_timeout, outage=self._outage)
+                    retry_for_s=self._outage_allowance_s(), outage=self._outage)
+
+    def _outage_allowance_s(self) -> float:
+        """How long calls to the dispatcher ride out its outage: ``connect_timeout``
+        until it was first reached (a wrong address fails fast), then as long as
+        the loader's ``timeout`` allows (None: for ever), so that a dispatcher
+        restarted from its journal finds its trainers still there."""
+        if self.job_id is None:
+            return self._connect_timeout
+        return math.inf if self.timeout is None else max(self.timeout, self._connect_timeout)
 
     def _submit(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
         """Submits the epoch's plan: a description or streams in one call,

@@ -37,7 +37,8 @@ def test_a_refused_address_is_reported_at_the_first_attempt(caplog):
 
 def test_a_dead_dispatcher_ends_the_epoch_and_the_next_iter_on_one_deadline():
     with test_cluster(num_workers=1) as c:
-        loader = dpex.RemoteDataLoader(c.address, SQUARES, batch_size=2, connect_timeout=5, timeout=60)
+        # Once reached, the dispatcher's outage is ridden out as long as the loader's timeout allows.
+        loader = dpex.RemoteDataLoader(c.address, SQUARES, batch_size=2, connect_timeout=2, timeout=5)
         it = iter(loader)
         got = [next(it) for _ in range(3)]
         c.stop_dispatcher()  # for good: no --work-dir, nothing comes back
@@ -51,6 +52,26 @@ def test_a_dead_dispatcher_ends_the_epoch_and_the_next_iter_on_one_deadline():
         # starting its own would take 10 s or more).
         assert time.monotonic() - killed < 8.5
         loader.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 30])
+def test_a_trainer_rides_out_a_dispatcher_outage_longer_than_its_connect_timeout(tmp_path, caplog, timeout):
+    slow = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=120, delay_s=0.01)
+    with test_cluster(num_workers=2, work_dir=str(tmp_path / "journal")) as c:
+        with dpex.RemoteDataLoader(c.address, slow, batch_size=2, connect_timeout=2, timeout=timeout) as dl:
+            got = []
+            with caplog.at_level(logging.WARNING, logger="dpex.rpc"):
+                for i, batch in enumerate(dl):
+                    got += batch["y"].tolist()
+                    if i == 3:
+                        c.stop_dispatcher()
+                        # The outage (the scenario, not a wait for a condition) outlasts connect_timeout,
+                        # while the loader's threads keep calling the dispatcher.
+                        time.sleep(4.0)
+                        c.start_dispatcher()  # from its journal
+            assert got == list(range(120))  # every batch once, in order, through the outage
+            assert any("cannot reach dispatcher" in r.getMessage() for r in caplog.records)
+            assert sorted(y for b in dl for y in b["y"].tolist()) == list(range(120))  # and on
 
 
 def test_workers_find_a_dispatcher_that_comes_back_within_seconds():
