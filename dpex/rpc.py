@@ -193,11 +193,11 @@ class Outage:
             self._said = now
             return True
 
-    def over(self) -> None:
+    def over(self, target: str) -> None:
         with self._lock:
-            if self.since is not None and self._said > self.since:  # a long one, logged: say it ended
-                log.warning("reached again after an outage of %.0fs", time.monotonic() - self.since)
-            self.since = None
+            since, self.since = self.since, None
+        if since is not None:  # its start was logged: so is its end
+            log.warning("reached %s again after an outage of %.1fs", target, time.monotonic() - since)
 
 
 def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: float,
@@ -219,7 +219,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
             track(future)
         try:
             result = future.result()
-            outage.over()
+            outage.over(target)
             return result
         except grpc.FutureCancelledError:
             raise errors.DpexCancelledError(f"call to {target} was cancelled") from None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -14,7 +15,7 @@ from dpex.config import WorkerConfig
 from dpex.errors import DpexCancelledError, DpexConnectionError, DpexError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.rpc import call, channel
+from dpex.rpc import Outage, call, channel
 from dpex.worker.scheduler import Scheduler
 from dpex.log import fields, set_context
 
@@ -30,6 +31,7 @@ class DispatcherAgent:
         self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
+        self._outage = Outage()  # the dispatcher's, shared by every call to it
         self._lock = threading.Lock()
         self._poll: Any = None  # the heartbeat in flight, to cut short when room frees
         self._asked: tuple[int, list] | None = None  # what it asked for: (splits wanted, saturated)
@@ -52,10 +54,12 @@ class DispatcherAgent:
     def job_path(self, job_id: int) -> str:
         return os.path.join(self._job_dir, f"job-{job_id}.pb")
 
-    def _rpc(self, method, request, timeout_s: float, track=None):
+    def _rpc(self, method, request, timeout_s: float, track=None, retry_for_s: float | None = None):
+        """A call to the dispatcher; its outages are one (logged when they start, every 30 s and when
+        they end), retried for ``retry_for_s`` (default: --connect-timeout)."""
         return call(method, request, target=f"dispatcher {self._config.dispatcher}",
-                    timeout_s=timeout_s, retry_for_s=self._config.connect_timeout_s,
-                    stop=self._stop.is_set, track=track)
+                    timeout_s=timeout_s, outage=self._outage, stop=self._stop.is_set, track=track,
+                    retry_for_s=self._config.connect_timeout_s if retry_for_s is None else retry_for_s)
 
     def _track_poll(self, asked: tuple[int, list], future: Any) -> None:
         with self._lock:
@@ -119,8 +123,10 @@ class DispatcherAgent:
                                                             for j, c in saturated])
             try:
                 started = time.monotonic()
+                # Registered: a dispatcher outage is waited out, however long (it may come back from its journal).
                 response = self._rpc(self._stub.WorkerHeartbeat, request, timeout_s=interval + 10,
-                                     track=functools.partial(self._track_poll, (want, saturated)))
+                                     track=functools.partial(self._track_poll, (want, saturated)),
+                                     retry_for_s=math.inf)
                 self._track_poll((want, saturated), None)
                 if response.pause and not response.splits and not response.release_split_ids:
                     # The dispatcher holds no more polls (a huge fleet), or is

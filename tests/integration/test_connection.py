@@ -70,8 +70,14 @@ def test_a_trainer_rides_out_a_dispatcher_outage_longer_than_its_connect_timeout
                         time.sleep(4.0)
                         c.start_dispatcher()  # from its journal
             assert got == list(range(120))  # every batch once, in order, through the outage
-            assert any("cannot reach dispatcher" in r.getMessage() for r in caplog.records)
+            said = [r.getMessage() for r in caplog.records]
+            assert any("cannot reach dispatcher" in m for m in said)
+            assert any(m.startswith(f"reached dispatcher {c.address} again after an outage of") for m in said)
             assert sorted(y for b in dl for y in b["y"].tolist()) == list(range(120))  # and on
+        for worker in c.workers:  # the workers say the outage once when it starts, and when it ends
+            log = worker.log_tail(200)
+            assert log.count("cannot reach dispatcher") == 1 and "still retrying" not in log
+            assert f"reached dispatcher {c.address} again after an outage of" in log
 
 
 def test_workers_find_a_dispatcher_that_comes_back_within_seconds():
