@@ -95,6 +95,11 @@ def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
         return errors.DpexAuthError(f"{target} refused us: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return errors.DpexConfigError(f"{target} refused a message over its size limit: {details}")
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # e.g. a worker's port given for the dispatcher's
+        return errors.DpexConfigError(
+            f"{target} does not serve this call ({details}): is that address really a Dpex "
+            f"{target.split()[0]}'s? (another daemon's port, e.g. a worker's for the dispatcher's, or "
+            "another program)")
     cls = _FROM_STATUS.get(code, errors.DpexError)
     return cls(details)
 

@@ -30,6 +30,13 @@ def test_help(cmd, words):
         assert word in out.stdout
 
 
+def test_status_at_a_workers_port_says_it_is_not_a_dispatcher(cluster):
+    out = run("dpex", "status", "--dispatcher", cluster.worker_addresses[0])
+    assert out.returncode != 0
+    assert (f"dispatcher {cluster.worker_addresses[0]} does not serve this call (Method not found!): is that "
+            "address really a Dpex dispatcher's?") in out.stderr
+
+
 def test_status_shows_workers_and_delivered_batches(cluster):
     with dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=12),
                                batch_size=4, job_name="status-demo", timeout=30) as dl:
