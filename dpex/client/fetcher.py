@@ -53,10 +53,10 @@ class Control:
 
     def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
                  results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
-                 need: Callable[[], int] = lambda: 0) -> None:
+                 need: Callable[[], int] = lambda: 0, client_id: int = 0) -> None:
         self._stub, self._target = stub, target
         self._need = need  # the trainer's measured need of workers, reported with each sync
-        self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch)
+        self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch, client_id=client_id)
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
         self._lock = threading.Lock()
@@ -200,14 +200,16 @@ class EpochFetcher:
                  timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
                  meter: StatsMeter | None = None, leave: Callable[[], None] | None = None,
-                 progress: Progress | None = None, report: Callable[[str, str], None] | None = None) -> None:
+                 progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
+                 client_id: int = 0) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
         ``leave()`` tells the dispatcher the epoch was left unfinished;
         ``report(address, error)`` that a worker's stream broke (a worker found
         gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
-        resumed epoch starts with those of its checkpoint, never fetched again."""
+        resumed epoch starts with those of its checkpoint, never fetched again.
+        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims)."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
@@ -226,7 +228,7 @@ class EpochFetcher:
         self._closed = False
         self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
-                                self._meter.recent_need)
+                                self._meter.recent_need, client_id)
         self._control.next_seq = self._ledger.low
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)

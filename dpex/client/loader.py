@@ -258,6 +258,7 @@ class RemoteDataLoader:
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         self._address, self._target, self.job_id = address, f"dispatcher {address}", None
+        self._client_id = secrets.randbits(63) + 1  # this loader's: it holds its consumer of the job
         try:
             if address is None:  # started in the background, shared with this process's other loaders
                 from dpex.launch.local import embedded
@@ -362,7 +363,7 @@ class RemoteDataLoader:
         epoch = self._epoch_counter
         self._epoch_counter += 1
         submit = dpb.SubmitPlanRequest(job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch,
-                                       base_seed=base_seed, num_streams=streams)
+                                       base_seed=base_seed, num_streams=streams, client_id=self._client_id)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
         progress = resume.progress if resume is not None else Progress(num_streams=streams)
@@ -381,10 +382,10 @@ class RemoteDataLoader:
             submit.job_id = self.job_id
             num_batches = self._submit(submit, plan)
         stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
-            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch)
+            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id)
         fetcher = EpochFetcher(
             stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
-            consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches,
+            consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches, client_id=self._client_id,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
@@ -547,11 +548,12 @@ class RemoteDataLoader:
 
     def _create_job(self) -> None:
         """Gets or creates the job (again, if the dispatcher collected it)."""
-        stub, consumer_index = self._res.stub, self.consumer_index
+        stub, consumer_index, client_id = self._res.stub, self.consumer_index, self._client_id
         self.job_id = job_id = self._call(stub.GetOrCreateJob, self._job_request).job_id
         target = self._target  # the lambda must not hold the loader: it runs at its collection
         self._res.release = lambda: call(
-            stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index),
+            stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index,
+                                                             client_id=client_id),
             target=target, timeout_s=5)
 
     def _inspect_one(self, address: str) -> wpb.InspectResponse | None:

@@ -46,6 +46,10 @@ class Liveness:
         self.loads.pop(worker_id, None)
         self._lost[worker_id] = self.clock()
 
+    def consumer_heard_within(self, job_id: int, consumer: int, seconds: float) -> bool:
+        seen = self._consumers.get((job_id, consumer))
+        return seen is not None and self.clock() - seen <= seconds
+
     def forget_consumer(self, job_id: int, consumer: int) -> None:
         self._consumers.pop((job_id, consumer), None)
         self._needs.pop((job_id, consumer), None)

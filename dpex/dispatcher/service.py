@@ -15,6 +15,7 @@ import time
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.store import Store
+from dpex.dispatcher.claims import HELD_S, Claims
 from dpex.dispatcher.liveness import Liveness, unreachable
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.state import DispatcherState, Plan
@@ -77,6 +78,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
         self._lock = threading.RLock()
         self._waiters = Waiters()
         self._seen = Liveness()
+        self._claims = Claims()  # which loader holds each consumer
         self._started = time.monotonic()
         self._heartbeats = 0  # answered since start (the GetStatus counter)
         # Splits a worker holds that were delivered in full: it drops them with its
@@ -185,6 +187,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                          extra=fields(job_id=job_id, job_name=self._state.jobs[job_id].definition.name))
                 self._apply(remove_job=jpb.RemoveJob(job_id=job_id))
                 self._seen.forget_job(job_id)
+                self._claims.forget_job(job_id)
 
     def _describe(self, split, out: dpb.Split) -> None:
         """A split as a worker gets it: its batches, or how to compute them."""
@@ -411,6 +414,7 @@ class DispatcherService(dgrpc.DispatcherServicer):
                         f"consumer {request.consumer_index} planned {num_batches} batches for "
                         f"epoch {request.epoch} but consumer {other} planned {other_plan.num_batches}; "
                         "every consumer must get the same number of batches (DDP ranks would hang)")
+            self._claim(request, context, job.definition.name, takeover=bool(request.resume_id))
             self._seen.consumer(request.job_id, request.consumer_index)
             same = self._state.plan(request.job_id, request.consumer_index, request.epoch)
             if same is not None and same.plan_hash == digest:  # a reconnect: nothing changes
@@ -431,7 +435,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
     async def SyncConsumer(self, request, context):
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0) * random.uniform(0.8, 1.0)  # jittered
         with self._lock:
-            self._job(request.job_id)
+            job = self._job(request.job_id)
+            self._claim(request, context, job.definition.name)  # again after a restart of this dispatcher
             plan = self._state.plan(request.job_id, request.consumer_index, request.epoch)
             if plan is None:
                 raise DpexNotFoundError(
@@ -468,10 +473,21 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 poll = self._waiters.consumer((request.job_id, request.consumer_index))
             await self._wait(poll, remaining)
 
+    def _claim(self, request, context, job_name: str, takeover: bool = False) -> None:
+        """The caller's loader holds the consumer, or a DpexConflictError (the caller holds self._lock)."""
+        key = (request.job_id, request.consumer_index)
+        busy = (self._state.has_live_plan(*key) and self._seen.consumer_heard_within(*key, HELD_S))
+        self._claims.take(key, request.client_id, context.peer(), job_name, busy, takeover)
+
     @servicer_method
     @answered_durably
     def ReleaseConsumer(self, request, context):
         with self._lock:
+            key = (request.job_id, request.consumer_index)
+            if not self._claims.holds(key, request.client_id):  # another loader's: not this one's to end
+                return dpb.ReleaseConsumerResponse()
+            if not request.HasField("epoch"):
+                self._claims.release(key, request.client_id)
             closed = not request.HasField("epoch")  # no epoch: the loader is closing
             plan = self._state.plan(request.job_id, request.consumer_index,
                                     None if closed else request.epoch)

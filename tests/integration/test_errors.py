@@ -172,6 +172,25 @@ def test_job_name_conflict(cluster):
         a.close()
 
 
+def test_a_second_loader_on_a_busy_consumer_is_refused_and_the_first_goes_on(cluster):
+    slow = spec("Slow", n=40, delay_s=0.01)
+    first = dpex.RemoteDataLoader(cluster.address, slow, batch_size=2, job_name="busy", timeout=30)
+    second = dpex.RemoteDataLoader(cluster.address, slow, batch_size=2, job_name="busy", timeout=30)
+    try:
+        it = iter(first)
+        got = [next(it)["y"].tolist() for _ in range(3)]
+        with pytest.raises(dpex.DpexConflictError, match=r"consumer 0 of job 'busy' is in use by another loader "
+                                                         r"\(ipv4:127\.0\.0\.1:\d+, since 20\d\d-"):
+            iter(second)
+        second.close()  # a refused loader's close leaves the other's epoch alone
+        got += [b["y"].tolist() for b in it]
+        assert got == [[i, i + 1] for i in range(0, 40, 2)]  # every batch once, to the first loader
+    finally:
+        first.close()
+    with dpex.RemoteDataLoader(cluster.address, slow, batch_size=2, job_name="busy", timeout=30) as third:
+        assert len(list(third)) == 20  # the first closed: its consumer is free at once
+
+
 def test_consumers_with_different_batch_counts_are_refused(cluster):
     loaders = [dpex.RemoteDataLoader(cluster.address, spec("Squares", n=30), batch_size=4,
                                      sampler=SequentialSampler(range(n)), num_consumers=2,

@@ -1,0 +1,64 @@
+"""Which loader holds each consumer of a job: one loader per consumer stream.
+
+A loader (a random ``client_id`` per RemoteDataLoader) claims consumer k of a
+job with its plans and syncs. Another loader's plan for that consumer is
+refused while the holder is mid-epoch and still syncing (a live loader syncs
+at least every second), instead of silently taking the epoch from it. A
+resumed epoch (a loader restarted from a checkpoint) takes the consumer over.
+Kept in memory: after a dispatcher restart loaders claim their consumers again
+with their next call."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from dpex.errors import DpexConflictError
+
+HELD_S = 5.0  # a holder that synced this recently is alive (its long poll returns every second)
+
+
+@dataclass(frozen=True)
+class Claim:
+    client_id: int
+    peer: str
+    since: float  # wall-clock time it was claimed
+
+
+class Claims:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._held: dict[tuple[int, int], Claim] = {}
+
+    def take(self, key: tuple[int, int], client_id: int, peer: str, job_name: str, busy: bool,
+             takeover: bool = False) -> None:
+        """Claims consumer ``key`` = (job, consumer) for ``client_id``. Refused
+        while another loader holds it and it is ``busy`` (mid-epoch and syncing),
+        unless ``takeover`` (a resumed epoch). ``client_id`` 0: an older client, not checked."""
+        if not client_id:
+            return
+        claim = self._held.get(key)
+        if claim is not None and claim.client_id == client_id:
+            return
+        if claim is not None and busy and not takeover:
+            name = f"job {job_name!r}" if job_name else f"job {key[0]}"
+            raise DpexConflictError(
+                f"consumer {key[1]} of {name} is in use by another loader ({claim.peer}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(claim.since))}); two loaders never share "
+                "one consumer's stream: give this one another consumer_index (with num_consumers), another "
+                "job_name, or close the other")
+        self._held[key] = Claim(client_id, peer, self._clock())
+
+    def holds(self, key: tuple[int, int], client_id: int) -> bool:
+        """Whether ``client_id`` may act for consumer ``key`` (it holds it, nobody does, or it is an older client)."""
+        claim = self._held.get(key)
+        return not client_id or claim is None or claim.client_id == client_id
+
+    def release(self, key: tuple[int, int], client_id: int) -> None:
+        if self.holds(key, client_id):
+            self._held.pop(key, None)
+
+    def forget_job(self, job_id: int) -> None:
+        """Drops the claims of a collected job."""
+        for key in [k for k in self._held if k[0] == job_id]:
+            del self._held[key]
