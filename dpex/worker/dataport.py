@@ -11,8 +11,12 @@ same order, on the stream's socket.
 Pairing: a trainer that wants it sends "dpex-data" metadata on Fetch; the
 worker answers in its initial metadata with this port and a fresh random key;
 the trainer connects and sends the key; the Fetch stream, authenticated like
-every call, claims the socket with that key. A socket whose key no stream
-claims is closed. Off under TLS: the payloads would cross in the clear.
+every call, claims the socket with that key. Only keys the worker handed out
+(to authenticated streams, not yet claimed) are taken: a socket that sends
+another is closed at once, and each source address may have only a few
+sockets that have not sent their key yet, so a flood of strangers costs the
+port no thread and no memory beyond those. Off under TLS: the payloads would
+cross in the clear.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ KEY_BYTES = 16
 REQUEST_METADATA = "dpex-data"
 PORT_METADATA, KEY_METADATA = "dpex-data-port", "dpex-data-key"
 _UNCLAIMED_S = 30.0   # a socket no stream claims in this time is closed
-_MAX_PENDING = 1024
+_HANDSHAKE_S = 5.0    # to send its key
+_MAX_HANDSHAKES_PER_HOST = 16  # sockets of one source address still to send their key
 
 
 class DataPort:
@@ -38,58 +43,84 @@ class DataPort:
         self.port = self._listener.getsockname()[1]
         self._cond = threading.Condition()
         self._pending: dict[bytes, tuple[socket.socket, float]] = {}
+        self._issued: set[bytes] = set()  # keys handed out and not claimed yet
+        self._handshakes: dict[str, int] = {}  # source address -> sockets still to send their key
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="dpex-data-accept", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def new_key() -> bytes:
-        return secrets.token_bytes(KEY_BYTES)
+    def new_key(self) -> bytes:
+        """A key for one stream's socket; :meth:`claim` it (which ends it, socket or not)."""
+        key = secrets.token_bytes(KEY_BYTES)
+        with self._cond:
+            self._issued.add(key)
+        return key
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(conn,), name="dpex-data-handshake",
+            with self._cond:
+                busy = self._handshakes.get(peer[0], 0) >= _MAX_HANDSHAKES_PER_HOST
+                if not busy:
+                    self._handshakes[peer[0]] = self._handshakes.get(peer[0], 0) + 1
+            if busy:  # a flood from that address: not one more thread for it
+                conn.close()
+                continue
+            threading.Thread(target=self._handshake, args=(conn, peer[0]), name="dpex-data-handshake",
                              daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> None:
-        """Reads the key (garbage or silence: closed after a few seconds)."""
+    def _handshake(self, conn: socket.socket, host: str) -> None:
+        """Reads the key: a key not handed out, garbage or silence closes the socket."""
         try:
-            conn.settimeout(5.0)
+            key = self._read_key(conn)
+        finally:
+            with self._cond:
+                self._handshakes[host] -= 1
+                if not self._handshakes[host]:
+                    del self._handshakes[host]
+        with self._cond:
+            if key is None or key not in self._issued or key in self._pending or self._closed:
+                conn.close()
+                return
+            now = time.monotonic()
+            for old in [k for k, (_, t) in self._pending.items() if now - t > _UNCLAIMED_S]:
+                self._pending.pop(old)[0].close()
+            self._pending[key] = (conn, now)
+            self._cond.notify_all()
+
+    @staticmethod
+    def _read_key(conn: socket.socket) -> bytes | None:
+        try:
+            conn.settimeout(_HANDSHAKE_S)
             key = b""
             while len(key) < KEY_BYTES:
                 chunk = conn.recv(KEY_BYTES - len(key))
                 if not chunk:
-                    raise OSError("closed before its key")
+                    return None
                 key += chunk
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return key
         except OSError:
-            conn.close()
-            return
-        with self._cond:
-            now = time.monotonic()
-            for old in [k for k, (_, t) in self._pending.items() if now - t > _UNCLAIMED_S]:
-                self._pending.pop(old)[0].close()
-            if self._closed or len(self._pending) >= _MAX_PENDING:
-                conn.close()
-                return
-            self._pending[key] = (conn, now)
-            self._cond.notify_all()
+            return None
 
     def claim(self, key: bytes, timeout_s: float) -> socket.socket | None:
-        """The socket that sent ``key``, once it arrives (None after ``timeout_s``)."""
+        """The socket that sent ``key`` (from :meth:`new_key`), once it arrives
+        (None after ``timeout_s``); either way the key is spent."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while key not in self._pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
-                    return None
-                self._cond.wait(remaining)
-            return self._pending.pop(key)[0]
+            try:
+                while key not in self._pending:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._closed:
+                        return None
+                    self._cond.wait(remaining)
+                return self._pending.pop(key)[0]
+            finally:
+                self._issued.discard(key)
 
     def close(self) -> None:
         with self._cond:

@@ -123,7 +123,7 @@ class WorkerService:
         if self._data_port is None:
             context.send_initial_metadata(())
             return None
-        key = DataPort.new_key()
+        key = self._data_port.new_key()
         context.send_initial_metadata(((PORT_METADATA, str(self._data_port.port)), (KEY_METADATA, key.hex())))
         conn = self._data_port.claim(key, timeout_s=10.0)
         if conn is None:

@@ -117,3 +117,34 @@ def test_a_frame_that_cannot_be_received_is_a_failed_stream_asked_again(cluster,
         with caplog.at_level(logging.WARNING, logger="dpex.client"):
             assert epoch(dl) == list(range(24))  # exactly once, in order
     assert "MemoryError: cannot allocate" in caplog.text
+
+
+def test_a_flood_of_strangers_is_turned_away_at_once_and_the_loader_goes_on():
+    with test_cluster(num_workers=1) as c:
+        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
+            assert epoch(dl) == list(range(24))
+            port = sockets(dl)[0].getpeername()[1]
+            for _ in range(10):  # 1,000 sockets that send a key the worker never handed out: closed at once
+                strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+                for s in strangers:
+                    s.sendall(os.urandom(16))
+                for s in strangers:
+                    s.settimeout(10)
+                    assert s.recv(1) == b""
+                    s.close()
+            # Sockets that say nothing: a few per source address wait for their key, the rest go at once.
+            silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+            held = 0
+            for s in silent:
+                s.settimeout(0.5)
+                try:
+                    assert s.recv(1) == b""
+                except socket.timeout:
+                    held += 1
+            assert 0 < held <= 16
+            assert epoch(dl) == list(range(24))  # the paired stream goes on, exactly once
+            for s in silent:
+                s.close()
+            dl._res.streams.close()  # a new stream pairs a new socket
+            assert epoch(dl) == list(range(24))
+            assert all(s is not None for s in sockets(dl))
