@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -32,22 +33,27 @@ class BatchPool:
         self._address = worker_address
         self._lock = threading.Lock()
         self._closed = False
-        self._last_death: tuple[int, int] | None = None
+        self._last_death: tuple[int, int, int] | None = None
         self.handoff_dir = handoff.make_dir() if shared_memory else None
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")
+        # Each child writes its pid and the sample it reads here: what its death (a segfault) reports.
+        self._slots = context.Array("q", [-1] * (2 * self._processes), lock=False)
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
                                        initializer=runtime.init_child,
                                        initargs=(self._address, context.Value("i", 0), self._processes,
-                                                 self.handoff_dir, self._handoff_min_bytes, os.getpid()))
+                                                 self.handoff_dir, self._handoff_min_bytes, os.getpid(),
+                                                 self._slots))
         # Start every child now, not at the first batch, without waiting for
         # them to import torch: the daemon serves meanwhile, and a batch asked
         # for waits for a child, as it would anyway. Started from this thread:
         # a child dies with the thread that started it (PR_SET_PDEATHSIG).
         for _ in range(self._processes):
             executor.submit(runtime.warm_up)
+        # The processes, kept here: a broken executor may have let go of them when death() asks.
+        self._children = list(getattr(executor, "_processes", {}).values())
         return executor
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -57,18 +63,33 @@ class BatchPool:
             try:
                 return self._executor.submit(fn, *args)
             except BrokenProcessPool:
-                self._last_death = _death_in(self._executor)  # its batch's frame may not be made yet
+                self._last_death = self._death_of(self._children)  # its batch's frame may not be made yet
                 log.error("a batch process died; restarting the pool")
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
 
-    def death(self) -> tuple[int, int] | None:
-        """The pid and exit code of a process that died by itself (a signal
-        other than the pool's own SIGTERM first), when the pool just broke."""
+    def death(self) -> tuple[int, int, int] | None:
+        """The pid, exit code and the sample it was reading (-1: none known) of
+        a process that died by itself (a signal other than the pool's own
+        SIGTERM first), when the pool just broke."""
         # No lock: it is called from the executor's callbacks, which close() waits for with the lock held.
-        executor = self._executor
-        return None if self._closed or executor is None else _death_in(executor) or self._last_death
+        if self._closed or self._executor is None:
+            return None
+        return self._death_of(self._children) or self._last_death
+
+    def _death_of(self, children: list) -> tuple[int, int, int] | None:
+        for p in children:  # exited, but its status may be being read by the executor's thread: wait for it
+            if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
+                p.join(1.0)
+        dead = [(p.pid, p.exitcode) for p in children if p.exitcode not in (None, 0)]
+        dead.sort(key=lambda d: d[1] == -signal.SIGTERM)
+        if not dead:
+            return None
+        pid, code = dead[0]
+        slots = list(self._slots)
+        sample = next((slots[i + 1] for i in range(0, len(slots), 2) if slots[i] == pid), -1)
+        return pid, code, sample
 
     def close(self) -> None:
         """Kills the processes (a batch still running is abandoned: the
@@ -87,18 +108,12 @@ class BatchPool:
             handoff.remove_dir(self.handoff_dir)
 
 
-def _death_in(executor: ProcessPoolExecutor) -> tuple[int, int] | None:
-    table = dict(getattr(executor, "_processes", None) or {})
-    dead = [(pid, p.exitcode) for pid, p in table.items() if p.exitcode not in (None, 0)]
-    dead.sort(key=lambda d: d[1] == -signal.SIGTERM)
-    return dead[0] if dead else None
-
-
 def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str = "process",
-                death: tuple[int, int] | None = None) -> bytes:
+                death: tuple[int, int, int] | None = None) -> bytes:
     """The frame for a batch whose process died (e.g. a segfault or OOM kill;
-    ``death``: its pid and exit code, if known), or (stage "plan") whose
-    indices could not be computed. A death reads as torch's DataLoader says it."""
+    ``death``: its pid, exit code and the sample it was reading, if known), or
+    (stage "plan") whose indices could not be computed. A death reads as
+    torch's DataLoader says it, with the sample."""
     from dpex.proto import worker_pb2 as wpb
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
@@ -112,9 +127,12 @@ def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str 
         else:
             message = f"DataLoader worker (pid(s) {death[0]}) exited unexpectedly with exit code {death[1]}."
         message += " It was making this batch"
+        if death is not None and death[2] >= 0:
+            message += f", reading dataset[{death[2]}]"
     else:
         message = str(exc)
+    sample = death[2] if death is not None else -1
     meta.error.CopyFrom(wpb.RemoteError(type=kind.__name__, type_ref=f"{kind.__module__}:{kind.__qualname__}",
-                                        message=message, traceback="", sample_index=-1,
+                                        message=message, traceback="", sample_index=sample,
                                         worker=worker_address, stage=stage))
     return meta.SerializeToString()

@@ -36,6 +36,7 @@ _handoff_dir: str | None = None
 _handoff_min_bytes = handoff.MIN_BYTES
 _produced = 0
 _arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
+_slots: Any = None  # shared with the daemon: [pid, sample being read] per child, what a death reports
 
 
 class _Job(NamedTuple):
@@ -63,11 +64,14 @@ _current: tuple | None = None
 
 
 def init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None,
-                handoff_min_bytes: int, daemon_pid: int | None = None) -> None:
-    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes
+                handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None) -> None:
+    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
+    _slots = slots
+    if slots is not None:
+        slots[2 * _child_index] = os.getpid()
     _num_children = num_children
     _handoff_dir, _handoff_min_bytes = handoff_dir, handoff_min_bytes
     init_process(worker_address, daemon_pid)
@@ -193,13 +197,17 @@ def produce(task: Task) -> bytes | Handoff:
         stage, dataset = "getitem", job.dataset
         if job.unbatched:
             index = -1 if task.whole else task.indices[0]
+            _reading(index)
             samples = dataset[list(task.indices)] if task.whole else dataset[index]
+            _reading(-1)
         elif getattr(dataset, "__getitems__", None):
             samples = dataset.__getitems__(list(task.indices))
         else:
             samples = []
             for index in task.indices:
+                _reading(index)
                 samples.append(dataset[index])
+            _reading(-1)
         stage, index = "collate", -1
         batch = collate(job, samples)
         stage = "encode"
@@ -218,6 +226,12 @@ def produce(task: Task) -> bytes | Handoff:
         if sent is not None:
             return sent
     return b"".join(parts)
+
+
+def _reading(index: int) -> None:
+    """Says which sample this process reads (-1: none), for the report of its death (a segfault)."""
+    if _slots is not None:
+        _slots[2 * _child_index + 1] = index
 
 
 def remote_error(e: BaseException, stage: str, index: int = -1, process: int | None = None):

@@ -537,3 +537,25 @@ def test_what_cannot_cross_hosts_is_refused_with_the_reason():
     with pytest.raises(dpex.DpexConfigError, match=r"the dataset cannot be shipped to the Dpex workers, which may run "
                                                    r"on other hosts .*Synchronized objects .*mp\.Value"):
         DpexDataLoader(SharedCounter(), distribute_mode=True, head_address="127.0.0.1:1", batch_size=2)
+
+
+class Segfaults(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 5:
+            import ctypes
+            ctypes.string_at(0)  # SIGSEGV in the worker's batch process
+        return i
+
+
+def test_a_segfault_names_the_signal_and_the_sample(cluster):
+    with DpexDataLoader(Segfaults(), distribute_mode=True, head_address=cluster.address, batch_size=2,
+                        timeout=60) as dl:
+        got = []
+        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation "
+                                               r"fault\. It was making this batch, reading dataset\[5\]") as info:
+            for batch in dl:
+                got.append(batch.tolist())
+    assert got == [[0, 1], [2, 3]] and info.value.sample_index == 5
