@@ -69,6 +69,11 @@ class BatchPool:
                 self._executor = self._start()
                 return self._executor.submit(fn, *args)
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: its processes are being (or were) stopped."""
+        return self._closed
+
     def death(self) -> tuple[int, int, int] | None:
         """The pid, exit code and the sample it was reading (-1: none known) of
         a process that died by itself (a signal other than the pool's own

@@ -537,8 +537,11 @@ class Scheduler:
         try:
             frame = future.result()
         except Exception as e:
-            log.error("batch failed in the pool: %s", e,
-                      extra=fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq))
+            where = fields(job_id=key.job_id, consumer=key.consumer_index, epoch=key.epoch, seq=key.seq)
+            if self._pool.closed:  # a drain past --drain-timeout: no error, the split is re-planned
+                log.info("batch abandoned: the pool is closing (%s)", e, extra=where)
+            else:
+                log.error("batch failed in the pool: %s", e, extra=where)
             frame = crash_frame(task, e, self._address, death=self._pool.death())
         size = handoff.size_of(frame)
         self.meter.produced(size)

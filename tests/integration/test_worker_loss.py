@@ -98,6 +98,8 @@ def test_sigterm_drains_a_worker_without_waiting_for_its_heartbeat_timeout():
                     assert c.workers[0].process.returncode == 0
             assert got == EXPECTED
         assert "is leaving; re-planning its" in c.dispatcher.log_tail(50)
+        drained = c.workers[0].log_tail(200)
+        assert "shutting down" in drained and " ERROR " not in drained  # a drain is no error
 
 
 def test_sigterm_exits_within_the_drain_timeout_while_a_batch_is_running(tmp_path):
@@ -148,3 +150,21 @@ def test_a_lost_workers_split_names_what_was_delivered_to_its_new_owner():
         d.DeregisterWorker(dpb.DeregisterWorkerRequest(worker_id=a))
         taken = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=b, want_splits=2)).splits
         assert sorted((s.first_seq, list(s.delivered_seqs)) for s in taken) == [(0, [0, 1]), (4, [])]
+
+
+def test_batches_abandoned_by_a_drain_are_no_error():
+    with test_cluster(num_workers=1, heartbeat_timeout_s=60.0) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=4, delay_s=60)
+        loader = dpex.RemoteDataLoader(c.address, spec, batch_size=1, timeout=120)
+        it = iter(loader)
+        with channel(c.address) as ch:
+            stub = dgrpc.DispatcherStub(ch)
+            # Reported with a heartbeat: the worker is making a batch that takes a minute.
+            wait_until(lambda: stub.GetStatus(dpb.GetStatusRequest(), timeout=10).workers[0].load.running_batches,
+                       30, "a batch to be running")
+        c.kill_worker(0, signal.SIGTERM)  # drains for --drain-timeout (2 s), then stops its batch processes
+        log = c.workers[0].log_tail(200)
+        assert "batch abandoned: the pool is closing" in log and " ERROR " not in log
+        del it
+        loader.close()
+
