@@ -3,8 +3,10 @@
 A loader (a random ``client_id`` per RemoteDataLoader) claims consumer k of a
 job with its plans and syncs. Another loader's plan for that consumer is
 refused while the holder is mid-epoch and still syncing (a live loader syncs
-at least every second), instead of silently taking the epoch from it. A
-resumed epoch (a loader restarted from a checkpoint) takes the consumer over.
+at least every second), instead of silently taking the epoch from it. The
+claim goes when its holder releases the consumer or its connection ends (its
+long poll is cancelled: a dead process); a resumed epoch (a loader restarted
+from a checkpoint) takes the consumer over.
 Kept in memory: after a dispatcher restart loaders claim their consumers again
 with their next call."""
 from __future__ import annotations
@@ -48,6 +50,15 @@ class Claims:
                 "one consumer's stream: give this one another consumer_index (with num_consumers), another "
                 "job_name, or close the other")
         self._held[key] = Claim(client_id, peer, self._clock())
+
+    def gone(self, key: tuple[int, int], client_id: int) -> bool:
+        """The holder's connection ended (its long poll was cancelled: a dead
+        process, or a loader leaving): the consumer is free for another at once
+        (the holder, if alive, claims it again with its next call). Whether it held it."""
+        if client_id and self._held.get(key, Claim(0, "", 0.0)).client_id == client_id:
+            del self._held[key]
+            return True
+        return False
 
     def holds(self, key: tuple[int, int], client_id: int) -> bool:
         """Whether ``client_id`` may act for consumer ``key`` (it holds it, nobody does, or it is an older client)."""

@@ -2,6 +2,7 @@
 and applies them to the state under one lock. No data plane work here."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import inspect
@@ -455,6 +456,17 @@ class DispatcherService(dgrpc.DispatcherServicer):
                 self._apply(assign_splits=jpb.AssignSplits(worker_id=target.worker_id, split_ids=[waited]))
         # Long-poll until the owners change, so the trainer learns of a new
         # assignment at once without polling.
+        try:
+            return await self._sync_poll(request, plan, deadline)
+        except asyncio.CancelledError:  # the trainer's connection ended: a dead process frees its consumer now
+            with self._lock:
+                if self._claims.gone((request.job_id, request.consumer_index), request.client_id):
+                    log.info("a consumer's loader went away mid-poll; its consumer is free",
+                             extra=fields(job_id=request.job_id, consumer=request.consumer_index,
+                                          trainer=context.peer()))
+            raise
+
+    async def _sync_poll(self, request, plan, deadline: float) -> dpb.SyncConsumerResponse:
         while True:
             with self._lock:
                 owners = self._state.owners(plan)

@@ -8,7 +8,7 @@ import pytest
 from torch.utils.data import SequentialSampler
 
 import dpex
-from dpex.testing import test_cluster
+from dpex.testing import test_cluster, wait_until
 from dpex.testing.datasets import Squares
 
 
@@ -189,6 +189,34 @@ def test_a_second_loader_on_a_busy_consumer_is_refused_and_the_first_goes_on(clu
         first.close()
     with dpex.RemoteDataLoader(cluster.address, slow, batch_size=2, job_name="busy", timeout=30) as third:
         assert len(list(third)) == 20  # the first closed: its consumer is free at once
+
+
+HOLDER = """
+import sys, time
+import dpex
+loader = dpex.RemoteDataLoader(sys.argv[1], dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40), batch_size=2,
+                               job_name="held-by-the-dead", timeout=30)
+for i, batch in enumerate(loader):
+    if i == 2:
+        print("mid-epoch", flush=True)
+        time.sleep(600)  # killed here
+"""
+
+
+def test_a_dead_loaders_consumer_is_free_at_once(cluster):
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, cluster.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "mid-epoch\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    wait_until(lambda: "its consumer is free" in cluster.dispatcher.log_tail(100), 30,
+               "the dispatcher to see the loader gone")
+    with dpex.RemoteDataLoader(cluster.address, spec("Squares", n=40), batch_size=2, job_name="held-by-the-dead",
+                               timeout=30) as dl:
+        assert [y for b in dl for y in b["y"].tolist()] == list(range(40))
 
 
 def test_consumers_with_different_batch_counts_are_refused(cluster):
