@@ -38,3 +38,12 @@ def test_an_older_client_without_an_id_is_not_checked():
     claims.take(KEY, 1, "a", "", busy=True)
     claims.take(KEY, 0, "b", "", busy=True)
     assert claims.holds(KEY, 0) and claims.holds(KEY, 1)
+
+
+def test_a_holder_whose_connection_ended_frees_the_consumer_at_once():
+    claims = Claims()
+    claims.take(KEY, 1, "a", "job", busy=False)
+    assert not claims.gone(KEY, 2)  # not its claim
+    assert claims.gone(KEY, 1)
+    claims.take(KEY, 2, "b", "job", busy=True)  # free at once, busy or not
+    assert claims.holds(KEY, 2) and not claims.holds(KEY, 1)
