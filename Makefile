@@ -54,6 +54,9 @@ bench: setup
 	$(PY) benchmarks/first_batch.py
 	$(PY) benchmarks/compression.py
 	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/embedded.py
+	$(PY) benchmarks/worker_kill.py
+	$(PY) benchmarks/dataport_flood.py
 
 clean:
 	rm -rf $(VENV) dpex/proto/*_pb2*.py dpex/proto/*_pb2*.pyi .data
