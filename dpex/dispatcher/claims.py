@@ -4,9 +4,10 @@ A loader (a random ``client_id`` per RemoteDataLoader) claims consumer k of a
 job with its plans and syncs. Another loader's plan for that consumer is
 refused while the holder is mid-epoch and still syncing (a live loader syncs
 at least every second), instead of silently taking the epoch from it. The
-claim goes when its holder releases the consumer or its connection ends (its
-long poll is cancelled: a dead process); a resumed epoch (a loader restarted
-from a checkpoint) takes the consumer over.
+claim goes when its holder releases the consumer or its long poll is
+cancelled (its connection ended: a dead process, when the server sees it),
+and counts for nothing after HELD_S without a call from its holder; a resumed
+epoch (a loader restarted from a checkpoint) takes the consumer over.
 Kept in memory: after a dispatcher restart loaders claim their consumers again
 with their next call."""
 from __future__ import annotations

@@ -458,12 +458,12 @@ class DispatcherService(dgrpc.DispatcherServicer):
         # assignment at once without polling.
         try:
             return await self._sync_poll(request, plan, deadline)
-        except asyncio.CancelledError:  # the trainer's connection ended: a dead process frees its consumer now
+        except asyncio.CancelledError:
+            # The trainer's connection ended (a dead process, when the server sees it; else its
+            # silence frees the consumer after claims.HELD_S), or its loader left the poll: it
+            # claims its consumer again with its next call, if it has one.
             with self._lock:
-                if self._claims.gone((request.job_id, request.consumer_index), request.client_id):
-                    log.info("a consumer's loader went away mid-poll; its consumer is free",
-                             extra=fields(job_id=request.job_id, consumer=request.consumer_index,
-                                          trainer=context.peer()))
+                self._claims.gone((request.job_id, request.consumer_index), request.client_id)
             raise
 
     async def _sync_poll(self, request, plan, deadline: float) -> dpb.SyncConsumerResponse:
