@@ -30,3 +30,13 @@ def nothing_left_behind():
         wait_until(lambda: not (leftovers() - before), 20, "dpex directories to be removed")
     except TimeoutError:
         pytest.fail(f"the tests left behind: {sorted(leftovers() - before)}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_embedded_cluster_outlives_its_module():
+    """An embedded cluster waits 10 s for the process's next loader: none is
+    left running (and loading the machine) under the next module's tests."""
+    yield
+    from dpex.launch import local
+    local.stop_embedded()
+
