@@ -44,9 +44,12 @@ def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
         job = dict(job_name="observed")
         assert total(d, "dpex_job_batches_planned_total", **job) == N // B
         assert total(d, "dpex_job_batches_delivered_total", **job) == N // B
-        # 12 splits of 2 batches; the killed worker's were taken back and assigned again.
-        assert total(d, "dpex_splits_assigned_total") >= 12
-        assert total(d, "dpex_splits_assigned_total") == 12 + total(d, "dpex_splits_reassigned_total")
+        # 12 splits of 2 batches; the killed worker's were taken back and assigned again, except any
+        # whose batches the trainer had all received, their acks on the way: the worker is lost as
+        # soon as the trainer reports its broken stream, before those acks reach the dispatcher.
+        reassigned = total(d, "dpex_splits_reassigned_total")
+        assert reassigned >= 1
+        assert 12 < total(d, "dpex_splits_assigned_total") <= 12 + reassigned
         # Heartbeats answered: the dispatcher's load from its fleet, counting up.
         assert total(d, "dpex_worker_heartbeats_total") > total(mid, "dpex_worker_heartbeats_total") > 0
         # Each surviving worker's own endpoint agrees with what its heartbeats told the dispatcher.
