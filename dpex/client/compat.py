@@ -90,7 +90,9 @@ class DpexDataLoader(DataLoader[_T_co]):
     large datasets). ``worker_init_fn``, ``get_worker_info()``, per-process
     seeds, ``generator``, ``timeout``, ``pin_memory``, ``in_order`` and
     ``persistent_workers`` behave as in torch; ``multiprocessing_context`` is
-    checked as torch checks it, and Dpex's processes are always spawned.
+    checked as torch checks it, and an embedded cluster's processes are
+    forked from the trainer where it says "fork" (the default on Linux), as
+    torch's workers are, else spawned.
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -113,7 +115,8 @@ class DpexDataLoader(DataLoader[_T_co]):
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
                       pin_memory_device=pin_memory_device, num_workers=max(1, num_workers),
                       processes=max(1, num_workers),
-                      shard=False)  # as torch's DataLoader: only a sampler the user gives shards under DDP
+                      shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
+                      multiprocessing_context=multiprocessing_context)
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,

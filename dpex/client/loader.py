@@ -113,6 +113,13 @@ def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None
                              f"but got {name}={value}")
 
 
+def _start_method(context: Any) -> str | None:
+    """A multiprocessing context (as torch's DataLoader takes it) as its start method's name."""
+    if context is None or isinstance(context, str):
+        return context
+    return context.get_start_method()
+
+
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
@@ -187,6 +194,9 @@ class RemoteDataLoader:
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
+    The embedded cluster's worker and its processes are forked from this
+    process when ``multiprocessing_context`` (default: multiprocessing's) is
+    "fork", as torch's DataLoader forks its workers, else spawned.
     With torch's own samplers an epoch's plan is sent as a description and
     the workers compute its index batches (they need the trainer's torch
     release); ``compact_plans=False``, or any other sampler, sends every index.
@@ -203,7 +213,7 @@ class RemoteDataLoader:
                  auth_token: str | None = None, tls_ca: str | None = None,
                  connect_timeout: float = 30.0, shared_memory: bool = True,
                  compression: str | None = None, pin_memory_device: str = "", shard: bool = True,
-                 compact_plans: bool = True) -> None:
+                 compact_plans: bool = True, multiprocessing_context: Any = None) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         run = None
@@ -262,7 +272,8 @@ class RemoteDataLoader:
         try:
             if address is None:  # started in the background, shared with this process's other loaders
                 from dpex.launch.local import embedded
-                self._res.cluster = embedded(processes or os.cpu_count() or 1, token)
+                self._res.cluster = embedded(processes or os.cpu_count() or 1, token,
+                                             _start_method(multiprocessing_context))
                 self._target = "the embedded dispatcher"
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(

@@ -15,6 +15,7 @@ from typing import Any
 
 from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
+from dpex.launch.forked import ForkedProcess, can_fork, fork_worker
 from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
 from dpex.worker import handoff
 
@@ -87,7 +88,8 @@ class LocalCluster:
     travels in their environment, ``tls`` is (certificate, key, CA) files;
     ``metrics`` gives every daemon a Prometheus endpoint (``Daemon.metrics_url``);
     ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them;
-    ``drain_timeout_s`` is how long a worker answers in-flight calls when stopped.
+    ``drain_timeout_s`` is how long a worker answers in-flight calls when stopped;
+    ``log_dir`` (default: a new temporary directory) is removed on close.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
@@ -97,7 +99,7 @@ class LocalCluster:
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 drain_timeout_s: float = 2.0) -> None:
+                 drain_timeout_s: float = 2.0, log_dir: str | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
         self.host = host
@@ -115,7 +117,7 @@ class LocalCluster:
         self._tls_ca_args = ["--tls-ca", tls[2]] if tls else []
         self._metrics_args = ["--metrics-port", "0"] if metrics else []
         self._worker_flags = list(worker_flags)
-        self.log_dir = temp_dir("cluster")  # named by pid: removed by a later cluster if we are killed
+        self.log_dir = log_dir or temp_dir("cluster")  # named by pid: removed by a later cluster if we are killed
         self._lock = threading.Lock()
         self._count = 0
         self.workers: list[Daemon] = []
@@ -167,6 +169,14 @@ class LocalCluster:
             with self._lock:
                 self.workers.append(daemons[-1])
         return daemons
+
+    def adopt_worker(self, process: Any, ready: str, log_path: str) -> Daemon:
+        """Waits for a worker started elsewhere (an embedded worker forked
+        from the trainer) to serve, and stops it with the cluster."""
+        daemon = await_ready("worker", process, ready, log_path, self._start_timeout_s)
+        with self._lock:
+            self.workers.append(daemon)
+        return daemon
 
     def kill_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
         """Sends ``sig`` to a worker (default SIGKILL) and waits for it to exit."""
@@ -270,31 +280,59 @@ class Embedded:
 class _Shared:
     """One embedded cluster and the thread that owns it: the daemons are its
     children (PR_SET_PDEATHSIG fires when the thread that started a process
-    ends), so it lives until the cluster is stopped."""
+    ends), so it lives until the cluster is stopped. With ``fork``, its
+    worker is forked from this process at once, in the caller's thread (see
+    dpex.launch.forked); the dispatcher is always spawned."""
 
-    def __init__(self, key: tuple[int, str | None]) -> None:
+    def __init__(self, key: tuple[int, str | None, bool], fork: bool) -> None:
         self.key = key
         self.users = 0
         self.idle: threading.Timer | None = None
         self._cluster: LocalCluster | None = None
         self._error: BaseException | None = None
         self._ready, self._stop = threading.Event(), threading.Event()
+        self._log_dir = temp_dir("cluster")
+        self._forked: tuple[ForkedProcess, str, str] | None = None
+        self._address_pipe = -1
+        if fork:
+            ready, log_path = (os.path.join(self._log_dir, f"worker-0.{ext}") for ext in ("ready", "log"))
+            read, self._address_pipe = os.pipe()
+            try:
+                self._forked = fork_worker(key[0], read, ready, log_path, key[1]), ready, log_path
+            except BaseException:
+                os.close(self._address_pipe)
+                raise
+            finally:
+                os.close(read)
         # A daemon thread, so that exit is not held up before stop_embedded() (atexit) stops it.
         self._owner = threading.Thread(target=self._run, name="dpex-embedded", daemon=True)
         self._owner.start()
 
     def _run(self) -> None:
-        processes, token = self.key
+        processes, token, _ = self.key
         try:
-            # Nobody else uses it: its worker need not drain when it stops.
-            self._cluster = LocalCluster(num_workers=1, processes=processes, auth_token=token, drain_timeout_s=0)
+            try:
+                # Nobody else uses it: its worker need not drain when it stops.
+                self._cluster = LocalCluster(num_workers=0 if self._forked else 1, processes=processes,
+                                             auth_token=token, drain_timeout_s=0, log_dir=self._log_dir)
+                if self._forked:
+                    os.write(self._address_pipe, f"{self._cluster.address}\n".encode())
+            finally:
+                if self._address_pipe >= 0:
+                    os.close(self._address_pipe)  # else (EOF) the forked worker exits
+            if self._forked:
+                self._cluster.adopt_worker(*self._forked)
         except BaseException as e:  # noqa: BLE001 - raised to every loader that waits for it
             self._error = e
+            if self._forked:
+                stop_process(self._forked[0])  # type: ignore[arg-type]
         finally:
             self._ready.set()
         self._stop.wait()
         if self._cluster is not None:
             self._cluster.close()
+        else:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     @property
     def failed(self) -> bool:
@@ -313,19 +351,25 @@ class _Shared:
         self._owner.join()
 
 
-_embedded: dict[tuple[int, str | None], _Shared] = {}
+_embedded: dict[tuple[int, str | None, bool], _Shared] = {}
 _embedded_lock = threading.Lock()
 
 
-def embedded(processes: int, auth_token: str | None) -> Embedded:
-    """A lease on this process's embedded cluster of ``processes`` worker processes."""
-    key = (processes, auth_token)
+def embedded(processes: int, auth_token: str | None, start_method: str | None = None) -> Embedded:
+    """A lease on this process's embedded cluster of ``processes`` worker
+    processes. ``start_method`` (default: multiprocessing's) "fork": its
+    worker and their processes are forked from this process, as torch's
+    DataLoader forks its workers, if gRPC runs no thread here yet (else, and
+    for "spawn" or "forkserver", they are fresh interpreters)."""
+    import multiprocessing
+    fork = (start_method or multiprocessing.get_start_method()) == "fork"
+    key = (processes, auth_token, fork)
     with _embedded_lock:
         shared = _embedded.get(key)
         if shared is None or shared.failed:
             if shared is not None:
                 shared.close()
-            shared = _embedded[key] = _Shared(key)
+            shared = _embedded[key] = _Shared(key, fork and can_fork())
         shared.users += 1
         if shared.idle is not None:
             shared.idle.cancel()

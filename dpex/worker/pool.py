@@ -1,6 +1,8 @@
-"""The worker's process pool (daemon side): N spawned processes that run
+"""The worker's process pool (daemon side): N processes that run
 dpex.worker.runtime, so the daemon only forwards the bytes they return.
-Spawned, not forked: the daemon runs gRPC threads."""
+Spawned, not forked, once the daemon runs gRPC threads; a pool made before
+any thread (an embedded worker forked from its trainer, which has imported
+torch already) forks its first processes, as torch's DataLoader does."""
 from __future__ import annotations
 
 import logging
@@ -24,21 +26,32 @@ __all__ = ["BatchPool", "crash_frame"]
 class BatchPool:
     """A pool of N processes; a crashed child fails its batch, not the daemon."""
 
-    def __init__(self, processes: int, worker_address: str, *, shared_memory: bool = True,
-                 handoff_min_bytes: int = handoff.MIN_BYTES) -> None:
+    def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
+                 handoff_min_bytes: int = handoff.MIN_BYTES, fork: bool = False) -> None:
         """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
-        back as /dev/shm files (dpex.worker.handoff), else through the pipe."""
+        back as /dev/shm files (dpex.worker.handoff), else through the pipe.
+        ``fork``: fork the first processes (only in a process with no other
+        thread yet); ones started after a crash are spawned. The address may
+        be given later (:meth:`set_address`)."""
         self._processes = processes
         self._handoff_min_bytes = handoff_min_bytes
-        self._address = worker_address
+        # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
+        self._address = multiprocessing.get_context("fork" if fork else "spawn").Array("c", 256, lock=False)
+        self.set_address(worker_address)
+        self._fork = fork
         self._lock = threading.Lock()
         self._closed = False
         self._last_death: tuple[int, int, int] | None = None
         self.handoff_dir = handoff.make_dir() if shared_memory else None
         self._executor = self._start()
 
+    def set_address(self, worker_address: str) -> None:
+        """The worker's address, as its batch processes report it."""
+        self._address.value = worker_address.encode()[:255]
+
     def _start(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("fork" if self._fork else "spawn")
+        self._fork = False  # the daemon runs threads from now on
         # Each child writes its pid and the sample it reads here: what its death (a segfault) reports.
         self._slots = context.Array("q", [-1] * (2 * self._processes), lock=False)
         executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,

@@ -30,7 +30,7 @@ class Task(NamedTuple):
     whole: bool = False  # an unbatched job's element that was a list: dataset[indices]
 
 
-_worker_address = ""
+_worker_address: Any = ""  # str, or the pool's shared slot: a forked pool starts before the daemon has a port
 _child_index, _num_children = 0, 1
 _handoff_dir: str | None = None
 _handoff_min_bytes = handoff.MIN_BYTES
@@ -63,7 +63,7 @@ _contexts: OrderedDict[tuple, _Context] = OrderedDict()
 _current: tuple | None = None
 
 
-def init_child(worker_address: str, counter: Any, num_children: int, handoff_dir: str | None,
+def init_child(worker_address: Any, counter: Any, num_children: int, handoff_dir: str | None,
                 handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None) -> None:
     global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
@@ -77,8 +77,9 @@ def init_child(worker_address: str, counter: Any, num_children: int, handoff_dir
     init_process(worker_address, daemon_pid)
 
 
-def init_process(worker_address: str, daemon_pid: int | None = None) -> None:
-    """Set-up of every process that runs user code for a worker."""
+def init_process(worker_address: Any, daemon_pid: int | None = None) -> None:
+    """Set-up of every process that runs user code for a worker
+    (``worker_address``: a str, or a shared char array the daemon fills in)."""
     global _worker_address
     _worker_address = worker_address
     # Even if the daemon is SIGKILLed; and at once if it died while this
@@ -88,6 +89,13 @@ def init_process(worker_address: str, daemon_pid: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     import torch
     torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
+
+
+def worker_address() -> str:
+    """The address of the worker this process makes batches for."""
+    if isinstance(_worker_address, str):
+        return _worker_address
+    return _worker_address.value.decode()
 
 
 def load_job(job_id: int, job_path: str) -> _Job:
@@ -243,7 +251,7 @@ def remote_error(e: BaseException, stage: str, index: int = -1, process: int | N
         type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
         type_ref=f"{kind.__module__}:{kind.__qualname__}",
         message=str(e), traceback=traceback.format_exc(), sample_index=index,
-        worker=_worker_address, stage=stage, process=_child_index if process is None else process)
+        worker=worker_address(), stage=stage, process=_child_index if process is None else process)
 
 
 def inspect(job_id: int, job_path: str) -> bytes:

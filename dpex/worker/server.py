@@ -76,11 +76,14 @@ def check_data_paths(paths: tuple[str, ...]) -> None:
 
 
 class WorkerServer:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, pool: BatchPool | None = None) -> None:
+        """``pool``: batch processes made before this server (an embedded
+        worker forks them before it runs any thread); default: a new pool."""
         check_code_source(config)
         check_data_paths(config.data_paths)
         self.config = config
         self._closed = False
+        self.pool = pool  # type: ignore[assignment]  # closed by close() if the start fails
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
                                                               thread_name_prefix="dpex-rpc"),
                                    # trainers send only small requests
@@ -89,8 +92,11 @@ class WorkerServer:
                       server_credentials(config.tls_cert_file, config.tls_key_file))
         self.address = f"{advertised_host(config)}:{port}"
         self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
-        self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
-                              handoff_min_bytes=config.shm_min_bytes)
+        if pool is None:
+            self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
+                                  handoff_min_bytes=config.shm_min_bytes)
+        else:
+            pool.set_address(self.address)
         self.agent: DispatcherAgent | None = None
         self.metrics: MetricsServer | None = None
         self.data_port: DataPort | None = None

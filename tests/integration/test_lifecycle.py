@@ -85,7 +85,7 @@ SCRIPT = textwrap.dedent("""
     import dpex
     from dpex.testing import descendants
     loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=10**4),
-                                   batch_size=2, processes=1)
+                                   batch_size=2, processes=1, multiprocessing_context=sys.argv[1])
     for i, batch in enumerate(loader):
         if i == 3:
             print(" ".join(map(str, descendants(os.getpid()))), flush=True)
@@ -101,10 +101,11 @@ def all_exit(pids: list[int]) -> None:
         pytest.fail(f"still running: {left}")
 
 
-def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster(tmp_path):
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster(tmp_path, context):
     stacks = tmp_path / "stacks"
     with open(stacks, "w") as err:
-        trainer = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", SCRIPT], stdout=subprocess.PIPE,
+        trainer = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", SCRIPT, context], stdout=subprocess.PIPE,
                                    stderr=err, text=True)
         children = [int(p) for p in trainer.stdout.readline().split()]
         assert len(children) >= 3
@@ -120,8 +121,9 @@ def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster(tmp_path):
     all_exit(children)
 
 
-def test_killed_trainer_takes_its_cluster_along():
-    trainer = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_killed_trainer_takes_its_cluster_along(context):
+    trainer = subprocess.Popen([sys.executable, "-c", SCRIPT, context], stdout=subprocess.PIPE, text=True)
     children = [int(p) for p in trainer.stdout.readline().split()]
     trainer.kill()
     trainer.wait()

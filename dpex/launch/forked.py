@@ -1,0 +1,184 @@
+"""An embedded worker forked from its trainer, as torch's DataLoader forks
+its workers: the trainer has imported torch already, so the worker's batch
+processes (forked in turn, before the worker runs any thread) make their
+first batch without a cold interpreter's second of imports.
+
+Forking is safe only before gRPC runs threads in the trainer (its threads
+would be missing in the child, holding its locks): :func:`can_fork` checks
+that, and the embedded cluster spawns its worker otherwise.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+# Threads that gRPC's core starts at its first channel or server (their
+# names, cut to 15 characters by the kernel).
+_GRPC_THREADS = ("grpc", "event_engine", "lifeguard", "default-executo", "resolver-execut")
+
+
+def can_fork() -> bool:
+    """This process may fork a worker: Linux's fork, and no gRPC thread yet."""
+    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # a thread that just ended
+            continue
+        if name.startswith(_GRPC_THREADS):
+            return False
+    return True
+
+
+class ForkedProcess:
+    """What LocalCluster needs of a subprocess.Popen, for a forked child."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker (pid {self.pid})", timeout)  # type: ignore[arg-type]
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,
+                auth_token: str | None, host: str = "127.0.0.1",
+                heartbeat_interval_s: float = 5.0) -> ForkedProcess:
+    """Forks the embedded worker of ``processes`` batch processes. It reads
+    the dispatcher's address from ``address_pipe`` (the trainer writes it
+    once the dispatcher serves; EOF: it did not start), writes ``ready``
+    when it serves (as ``dpex-worker --ready-file``), logs to ``log_path``
+    and stops when the trainer dies."""
+    for stream in (sys.stdout, sys.stderr):  # else their buffers would be written twice
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    trainer = os.getpid()
+    pid = os.fork()
+    if pid:
+        return ForkedProcess(pid)
+    code = 1
+    try:
+        _serve(processes, address_pipe, ready, log_path, auth_token, host, heartbeat_interval_s, trainer)
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported in the log, which the trainer shows
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # never the trainer's atexit handlers
+
+
+def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_token: str | None,
+           host: str, heartbeat_interval_s: float, trainer: int) -> None:
+    # The trainer's objects are never collected here: none of its finalizers run
+    # in this copy (it would close the trainer's things), and its pages stay shared.
+    gc.freeze()
+    for sig in signal.valid_signals():  # the trainer's handlers are not ours
+        if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(devnull)
+    os.close(log)
+    # The trainer's may be anything (a test's capture, a progress bar's wrapper): ours are the log.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+    from dpex.cmd.common import serve_until_signalled
+    from dpex.config import WorkerConfig
+    from dpex.log import setup
+    from dpex.procutil import reuse_freed_memory
+    from dpex.worker.pool import BatchPool
+    from dpex.worker.server import WorkerServer
+
+    setup("info")
+    # First, while this process has one thread: the batch processes, forked with torch imported.
+    pool = BatchPool(processes, fork=True)
+    try:
+        reuse_freed_memory()  # as dpex-worker; after the fork: the batch processes keep glibc's defaults
+        address = _read_address(address_pipe)
+        if not address:
+            return  # the dispatcher did not start: the trainer reports why
+        config = WorkerConfig(dispatcher=address, host=host, port=0, processes=processes,
+                              heartbeat_interval_s=heartbeat_interval_s, auth_token=auth_token,
+                              drain_timeout_s=0)  # nobody else uses it: nothing to drain
+        server = WorkerServer(config, pool=pool)
+    except BaseException:
+        pool.close()
+        raise
+    _watch(trainer)
+    serve_until_signalled(server, ready)
+
+
+def _read_address(fd: int) -> str:
+    data = b""
+    while chunk := os.read(fd, 256):
+        data += chunk
+        if data.endswith(b"\n"):
+            break
+    os.close(fd)
+    return data.decode().strip()
+
+
+def _watch(trainer: int) -> None:
+    """SIGTERM to this process when the trainer dies. Not PR_SET_PDEATHSIG:
+    that follows the trainer's thread that forked us, which may end first."""
+    try:
+        pidfd = os.pidfd_open(trainer)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): the forking thread's death will do
+        from dpex.procutil import die_with_parent
+        die_with_parent(trainer)
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="dpex-trainer-watch", daemon=True).start()
+    if os.getppid() != trainer:  # it died before the watch began
+        os.kill(os.getpid(), signal.SIGTERM)
