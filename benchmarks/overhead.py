@@ -4,6 +4,11 @@ CPU-heavy image pipeline, runs alternating in one process.
 
     .venv/bin/python benchmarks/overhead.py [--processes 2] [--images 1536] [--rounds 3]
 
+Dpex runs twice per round: with its default keyed draws (each sample's
+generators set from its place in the epoch, dpex.seeding) and with
+``reproducible=False`` (the processes' generators run on, as torch's): the
+ratio of the two is what reproducible batches cost.
+
 Prints samples/s of each run, the medians and their ratio (Dpex / torch);
 the trainer process's CPU per batch for both (for torch: its main process,
 which receives and unpickles the batches); and peak RSS of the trainer and
@@ -52,18 +57,21 @@ def main() -> None:
     torch_loader = DataLoader(ImageFolder(root), batch_size=B, shuffle=True, num_workers=P,
                               persistent_workers=True, prefetch_factor=4)
     with dpex.LocalCluster(num_workers=1, processes=P) as cluster:
-        remote = dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec("benchmarks.pipeline:ImageFolder", root),
-                                       batch_size=B, shuffle=True, timeout=300)
-        epoch_rate(torch_loader), epoch_rate(remote)  # warm-up: workers, page cache, dataset build
+        spec = dpex.DatasetSpec("benchmarks.pipeline:ImageFolder", root)
+        remote = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300)
+        unkeyed = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300,
+                                        reproducible=False)
+        epoch_rate(torch_loader), epoch_rate(remote), epoch_rate(unkeyed)  # warm-up: workers, page cache, dataset
         me = os.getpid()
         dpex_worker = tree(cluster.workers[0].process.pid)
         cluster_pids = set(dpex_worker) | set(tree(cluster.dispatcher.process.pid))
-        workers = {"dpex": dpex_worker, "torch": [p for p in tree(me)[1:] if p not in cluster_pids]}
-        rates: dict[str, list[float]] = {"torch": [], "dpex": []}
-        cpu: dict[str, list[float]] = {"torch": [], "dpex": []}
+        workers = {"dpex": dpex_worker, "unkeyed": dpex_worker,
+                   "torch": [p for p in tree(me)[1:] if p not in cluster_pids]}
+        rates: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": []}
+        cpu: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": []}
         rss: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
-            for name, loader in (("torch", torch_loader), ("dpex", remote)):
+            for name, loader in (("torch", torch_loader), ("dpex", remote), ("unkeyed", unkeyed)):
                 reset_peak([me, *workers[name]])
                 rate, cpu_ms = epoch_rate(loader)
                 rss[name] = (peak_rss_mb([me]), peak_rss_mb(workers[name]))
@@ -72,13 +80,18 @@ def main() -> None:
                 print(f"round {r + 1}: {name:5s} {rate:8.1f} samples/s, trainer CPU {cpu_ms:6.1f} ms/batch",
                       flush=True)
         remote.close()
+        unkeyed.close()
     t, d = statistics.median(rates["torch"]), statistics.median(rates["dpex"])
+    u = statistics.median(rates["unkeyed"])
     tc, dc = statistics.median(cpu["torch"]), statistics.median(cpu["dpex"])
     print(f"\nimage pipeline, {args.images} PNGs {args.size}px -> 112px float, batch {B}, P={P} processes, "
           f"{os.cpu_count()} cores")
     print(f"torch DataLoader(num_workers={P}): {t:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader (1 worker x {P}): {d:8.1f} samples/s (median of {args.rounds})")
+    print(f"dpex RemoteDataLoader, reproducible=False: {u:8.1f} samples/s (median of {args.rounds})")
     print(f"ratio dpex/torch: {d / t:.3f}")
+    print(f"ratio reproducible / reproducible=False: {d / u:.3f} (per round: "
+          + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["dpex"], rates["unkeyed"])) + ")")
     print(f"trainer CPU per batch: torch main process {tc:.1f} ms, dpex trainer {dc:.1f} ms "
           f"(ratio {dc / tc:.2f})")
     print(f"peak RSS MB (last round): trainer {rss['torch'][0]:.0f} (torch) / {rss['dpex'][0]:.0f} (dpex); "

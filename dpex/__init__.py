@@ -15,6 +15,8 @@ _EXPORTS = {
     "LocalCluster": "dpex.launch.local",
     "DatasetSpec": "dpex.dataset",
     "ShuffleSampler": "dpex.plan.shuffle",
+    "sample_seed": "dpex.seeding",
+    "sample_generator": "dpex.seeding",
     **{name: "dpex.errors" for name in (
         "DpexError", "DpexAuthError", "DpexCancelledError", "DpexConfigError", "DpexConflictError", "DpexConnectionError",
         "DpexNotFoundError", "DpexTimeoutError", "DpexWireError", "DpexWorkerError")},
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from dpex.launch.local import LocalCluster
     from dpex.dataset import DatasetSpec
     from dpex.plan.shuffle import ShuffleSampler
+    from dpex.seeding import sample_generator, sample_seed
     from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,
                              DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,
                              DpexWireError, DpexWorkerError)

@@ -9,7 +9,8 @@ scenarios of the original Dpex: one process, nn.DataParallel, and DDP.
 The only difference between the two data paths is the `distribute_mode` flag.
 With --distribute, loading runs on Dpex workers: at $DPEX_DISPATCHER if set,
 otherwise on an embedded local cluster. --bug swaps in the original project's
-BugDataset, whose __getitem__ divides by zero. --out writes the per-step
+BugDataset, whose __getitem__ divides by zero; --augment a random augmentation
+(reproducible with Dpex whatever the workers). --out writes the per-step
 losses, the batches each rank saw, the test accuracy and a digest of the
 final parameters as JSON.
 
@@ -56,6 +57,23 @@ class Digits(Dataset):
         return self.x[i], self.y[i], i
 
 
+class AugmentedDigits(Digits):
+    """Digits with a random augmentation drawn from torch, numpy and random: a
+    shift of up to one pixel, noise, and a flip of the brightness. With Dpex
+    the draws are keyed by each sample's place in the epoch, so a run is
+    reproducible whatever the workers (and through kills and resumes)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        import random
+        x, y, i = super().__getitem__(i)
+        dy, dx = torch.randint(-1, 2, (2,)).tolist()
+        x = torch.roll(x, shifts=(dy, dx), dims=(1, 2))
+        x = x + torch.from_numpy(np.random.normal(0, 0.05, x.shape).astype(np.float32))
+        if random.random() < 0.1:
+            x = 1.0 - x
+        return x, y, i
+
+
 class BugDataset(Digits):
     def __getitem__(self, i: int):
         return 1 / 0
@@ -88,6 +106,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--bug", action="store_true", help="use the BugDataset")
+    p.add_argument("--augment", action="store_true", help="a random augmentation of the training samples")
     p.add_argument("--out", default=None)
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save to / resume from PATH")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K", help="steps between checkpoints")
@@ -111,7 +130,7 @@ def main() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
-    train_set = BugDataset(True) if args.bug else Digits(True)
+    train_set = BugDataset(True) if args.bug else AugmentedDigits(True) if args.augment else Digits(True)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0) if ddp else None
     loader = DpexDataLoader(train_set, distribute_mode=args.distribute, batch_size=args.batch_size,
                             shuffle=sampler is None, sampler=sampler, num_workers=args.num_workers,

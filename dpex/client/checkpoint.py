@@ -139,6 +139,8 @@ class EpochState:
                 "sampler": blob(self.sampler.SerializeToString()) if self.sampler is not None else None,
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
                 "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
+                "places": [list(b.places) for b in self.batches] if explicit and self.batches and
+                self.batches[0].places else None,
                 "reshard": self.reshard, "num_streams": self.num_streams,
                 "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()],
                 "stream_states": {k: (j, blob(state)) for k, (j, state) in self.progress.stream_states.items()}}
@@ -148,8 +150,10 @@ class EpochState:
         batches = [dpb.IndexBatch(indices=b) for b in d["batches"]] if d["batches"] is not None else None
         for i in d.get("whole", []):  # an unbatched job's list elements
             batches[i].whole = True
+        for batch, places in zip(batches or [], d.get("places") or []):
+            batch.places[:] = places
         if d["reshard"] is not None:
-            batches = [dpb.IndexBatch(indices=b) for b in reshard(**d["reshard"])]
+            batches = reshard(**d["reshard"])
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
@@ -163,34 +167,46 @@ class EpochState:
         from dpex.plan import samplers
         return samplers.batches(self.sampler, 0, self.num_batches)
 
+    def place_batches(self) -> list[list[int]] | None:
+        """The places of every batch's samples (dpex.seeding); None: an explicit plan sent without them."""
+        if self.batches is not None:
+            return [list(b.places) for b in self.batches] if self.batches and self.batches[0].places else None
+        from dpex.plan import samplers
+        return samplers.places(self.sampler, 0, self.num_batches)
+
 
 def reshard(sources: list[dict[str, Any] | None], world: int, rank: int, batch_size: int,
-            drop_last: bool, sampler_drop_last: bool) -> list[list[int]]:
+            drop_last: bool, sampler_drop_last: bool) -> list[dpb.IndexBatch]:
     """Rank ``rank`` of ``world``'s share of what the loop of no rank of
     ``sources`` (each old rank's epoch dict; None: its loop had the whole
     epoch) had been given: the samples left, in the order of the old ranks'
     interleaved sample lists (DistributedSampler's global order), each once,
     padded (or cut, ``sampler_drop_last``) to a multiple of ``world`` as
-    DistributedSampler does, every ``world``-th from ``rank``, in batches."""
+    DistributedSampler does, every ``world``-th from ``rank``, in batches.
+    Each sample keeps its place in the old epoch (its draws, dpex.seeding);
+    a padding copy, the place of the sample it copies."""
     seen: set[int] = set()
-    left: list[tuple[int, int, int]] = []  # (position in its rank's samples, old rank, index)
+    left: list[tuple[int, int, int, int | None]] = []  # (position in its rank's samples, old rank, index, place)
     for old_rank, d in enumerate(sources):
         if d is None:
             continue
         state = EpochState.from_dict(d)
         given = state.progress.seqs()
         position = 0
+        places = state.place_batches()
         for seq, batch in enumerate(state.index_batches()):
             if seq in given:
                 seen.update(batch)
             else:
-                left.extend((position + i, old_rank, index) for i, index in enumerate(batch))
+                where = places[seq] if places is not None else [None] * len(batch)
+                left.extend((position + i, old_rank, index, place)
+                            for i, (index, place) in enumerate(zip(batch, where)))
             position += len(batch)
-    rest: list[int] = []
-    for _, _, index in sorted(left):
+    rest: list[tuple[int, int | None]] = []
+    for _, _, index, place in sorted(left, key=lambda entry: entry[:2]):
         if index not in seen:
             seen.add(index)
-            rest.append(index)
+            rest.append((index, place))
     if sampler_drop_last and len(rest) % world:
         rest = rest[:len(rest) - len(rest) % world]
     elif rest:
@@ -198,7 +214,11 @@ def reshard(sources: list[dict[str, Any] | None], world: int, rank: int, batch_s
         rest += (rest * math.ceil(pad / len(rest)))[:pad]
     mine = rest[rank::world]
     out = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
-    return out[:-1] if drop_last and out and len(out[-1]) < batch_size else out
+    if drop_last and out and len(out[-1]) < batch_size:
+        out = out[:-1]
+    return [dpb.IndexBatch(indices=[index for index, _ in batch],
+                           places=[place for _, place in batch] if all(p is not None for _, p in batch) else [])
+            for batch in out]
 
 
 def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int,
@@ -217,7 +237,7 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
                 sampler_drop_last=bool(spec is not None and spec.kind in (spec.DISTRIBUTED, spec.SHUFFLE)
                                        and spec.sampler_drop_last))
     base = sources[rank % len(sources)] or planned[0]
-    batches = [dpb.IndexBatch(indices=b) for b in reshard(**args)]
+    batches = reshard(**args)
     return EpochState(base["epoch"], base["base_seed"], len(batches), batches=batches, reshard=args)
 
 

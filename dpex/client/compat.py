@@ -92,7 +92,10 @@ class DpexDataLoader(DataLoader[_T_co]):
     ``persistent_workers`` behave as in torch; ``multiprocessing_context`` is
     checked as torch checks it, and an embedded cluster's processes are
     forked from the trainer where it says "fork" (the default on Linux), as
-    torch's workers are, else spawned.
+    torch's workers are, else spawned. ``reproducible`` (Dpex's own, default
+    True): a sample's random draws are keyed by the epoch's base seed and its
+    place in the plan, not by the process that makes it (see
+    ``RemoteDataLoader``).
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -109,14 +112,14 @@ class DpexDataLoader(DataLoader[_T_co]):
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 in_order: bool = True, pin_memory_device: str = "") -> None:
+                 in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True) -> None:
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
                       pin_memory_device=pin_memory_device, num_workers=max(1, num_workers),
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
-                      multiprocessing_context=multiprocessing_context)
+                      multiprocessing_context=multiprocessing_context, reproducible=reproducible)
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,

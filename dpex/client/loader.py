@@ -194,6 +194,13 @@ class RemoteDataLoader:
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
     batches come round-robin, as from torch's workers.
+    With ``reproducible`` (the default) a sample's random draws (torch,
+    numpy, ``random``) are keyed by the epoch's base seed and the sample's
+    place in the epoch's plan (see dpex.seeding), so they are the same
+    whichever worker or process makes it, after failures and resume, and
+    whatever the batch size or (DistributedSampler) the world size;
+    ``reproducible=False`` lets each process's generators run on from its
+    worker seed, as torch's workers do.
     The embedded cluster's worker and its processes are forked from this
     process when ``multiprocessing_context`` (default: multiprocessing's) is
     "fork", as torch's DataLoader forks its workers, else spawned.
@@ -213,7 +220,8 @@ class RemoteDataLoader:
                  auth_token: str | None = None, tls_ca: str | None = None,
                  connect_timeout: float = 30.0, shared_memory: bool = True,
                  compression: str | None = None, pin_memory_device: str = "", shard: bool = True,
-                 compact_plans: bool = True, multiprocessing_context: Any = None) -> None:
+                 compact_plans: bool = True, multiprocessing_context: Any = None,
+                 reproducible: bool = True) -> None:
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         run = None
@@ -249,8 +257,8 @@ class RemoteDataLoader:
         job = dpb.JobDef(name=job_name or "", num_consumers=num_consumers, persistent_workers=persistent_workers,
                          **_code_fields(*self._code, bundled=self._instance is not None),
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
-                         unbatched=batch_size is None and batch_sampler is None)
-        self._unbatched = job.unbatched
+                         unbatched=batch_size is None and batch_sampler is None, process_seeds=not reproducible)
+        self._unbatched, self._reproducible = job.unbatched, reproducible
         derived_name = not job.name and num_consumers > 1 and run is not None
         if derived_name:
             job.name = shared_job_name(run, _definition(job))
@@ -371,6 +379,11 @@ class RemoteDataLoader:
             sampler = samplers.describe(self._plan) if self._compact else None
             plan = [] if sampler is not None else [index_batch(b, self._unbatched) for b in indices]
             streams = 0
+            # Consumer k of N's j-th sample is at place k + j*N (DistributedSampler's are its own positions).
+            if sampler is not None:
+                sampler.place_offset, sampler.place_stride = self.consumer_index, self.num_consumers
+            elif self._reproducible:
+                samplers.place_explicit(plan, self.consumer_index, self.num_consumers)
         epoch = self._epoch_counter
         self._epoch_counter += 1
         submit = dpb.SubmitPlanRequest(job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch,

@@ -2,7 +2,8 @@
 
 A plan arrives in chunks; each is appended to a file as it comes, so the
 dispatcher never holds a whole plan. A file holds the batches back to back
-(``u32 count | count x i64``; the count's top bit is IndexBatch.whole); a side file holds, per split, where its
+(``u32 count | count x i64 | places``; the count's top bit is IndexBatch.whole, the next says that
+IndexBatch.places follow as i64s, one per index or one for a whole element); a side file holds, per split, where its
 batches start, so that one split is read with two small reads.
 Files live in the work dir's ``plans/`` (or a temporary directory when the
 dispatcher keeps no journal), are fsync'd before the plan is journaled, and
@@ -25,6 +26,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 
 _COUNT = struct.Struct("<I")
 _WHOLE = 1 << 31  # in a record's count: the batch is an unbatched job's list element
+_PLACES = 1 << 30  # in a record's count: its places follow its indices
 _OFFSET = struct.Struct("<Q")
 _MAX_UPLOADS = 1024  # unfinished uploads kept; the oldest is dropped (its trainer starts again)
 _YOUNG_S = 60.0      # a file this new may belong to a plan about to be journaled: kept
@@ -77,9 +79,16 @@ class PlanFiles:
                 if upload.num_batches % split_size == 0:
                     upload.index.write(_OFFSET.pack(upload.offset))
                 indices = array("q", batch.indices)
+                if len(indices) >= _PLACES:
+                    raise DpexConfigError(f"a planned batch of {len(indices)} indices is too large")
+                places = array("q", batch.places)
+                if places and len(places) != (1 if batch.whole else len(indices)):
+                    raise DpexConfigError(f"a planned batch has {len(places)} places for {len(indices)} indices")
                 if sys.byteorder != "little":
                     indices.byteswap()
-                record = _COUNT.pack(len(indices) | (_WHOLE if batch.whole else 0)) + indices.tobytes()
+                    places.byteswap()
+                flags = (_WHOLE if batch.whole else 0) | (_PLACES if places else 0)
+                record = _COUNT.pack(len(indices) | flags) + indices.tobytes() + places.tobytes()
                 upload.data.write(record)
                 upload.offset += len(record)
                 upload.num_batches += 1
@@ -113,9 +122,12 @@ class PlanFiles:
         out, at = [], 0
         for _ in range(count):
             (n,) = _COUNT.unpack_from(data, at)
-            whole, n = bool(n & _WHOLE), n & ~_WHOLE
-            out.append(dpb.IndexBatch(indices=struct.unpack_from(f"<{n}q", data, at + _COUNT.size), whole=whole))
-            at += _COUNT.size + 8 * n
+            whole, placed, n = bool(n & _WHOLE), bool(n & _PLACES), n & ~(_WHOLE | _PLACES)
+            m = (1 if whole else n) if placed else 0
+            at += _COUNT.size
+            out.append(dpb.IndexBatch(indices=struct.unpack_from(f"<{n}q", data, at), whole=whole,
+                                      places=struct.unpack_from(f"<{m}q", data, at + 8 * n)))
+            at += 8 * (n + m)
         return out
 
     def keep(self, names: set[str]) -> None:

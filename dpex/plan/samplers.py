@@ -153,6 +153,36 @@ def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
     return [flat[i:i + size] for i in range(0, len(flat), size)]
 
 
+def places(spec: Spec, first: int, count: int) -> list[list[int]]:
+    """The places of the samples of batches ``first`` .. ``first + count - 1``
+    (what their random draws are keyed by, dpex.seeding): DistributedSampler's
+    and ShuffleSampler's padded positions (``rank + j * num_replicas``, the
+    same for a sample whatever the number of ranks), else
+    ``place_offset + j * place_stride`` for the consumer's j-th sample."""
+    total = num_samples(spec)
+    size = spec.batch_size
+    start, stop = first * size, min(total, (first + count) * size)
+    if spec.drop_last:
+        stop = min(stop, (total // size) * size)
+    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE):
+        offset, stride = spec.rank, spec.num_replicas
+    else:
+        offset, stride = spec.place_offset, max(1, spec.place_stride)
+    flat = [offset + j * stride for j in range(start, stop)]
+    return [flat[i:i + size] for i in range(0, len(flat), size)]
+
+
+def place_explicit(batches: list[dpb.IndexBatch], offset: int, stride: int) -> None:
+    """Sets the places of an explicit plan's batches (a sampler Dpex cannot
+    describe): the consumer's j-th sample (or whole element) is at
+    ``offset + j * stride``, as in :func:`places`."""
+    j = 0
+    for batch in batches:
+        n = 1 if batch.whole else len(batch.indices)
+        batch.places[:] = range(offset + j * stride, offset + (j + n) * stride, stride)
+        j += n
+
+
 def _distributed(spec: Spec, start: int, stop: int) -> list[int]:
     # DistributedSampler pads (or cuts) the order to total_size, padded[i] =
     # order[i % n], and takes every num_replicas-th from rank: its j-th index

@@ -312,3 +312,71 @@ class Sized(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((self.sizes[i % len(self.sizes)] << 20,), i % 251, dtype=torch.uint8)
+
+
+class Augmented(Dataset):
+    """A random augmentation drawn from all three global generators: sample i
+    is {"i": i, "x": i + torch.rand(4) + np.random.rand(4) + random.random()}
+    (float64, so that equal draws give bitwise-equal tensors)."""
+
+    def __init__(self, n: int = 96) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import random
+        noise = torch.rand(4, dtype=torch.float64) + torch.from_numpy(np.random.rand(4)) + random.random()
+        return {"i": i, "x": noise + i}
+
+
+def mixup(samples: list) -> dict:
+    """A collate_fn that draws too: each sample's x mixed with another's, by a random weight."""
+    from torch.utils.data import default_collate
+    batch = default_collate(samples)
+    weight = torch.rand(len(samples), 1, dtype=torch.float64)
+    partner = torch.randperm(len(samples))
+    batch["x"] = weight * batch["x"] + (1 - weight) * batch["x"][partner]
+    return batch
+
+
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """An IterableDataset whose items draw from the global generators; stream
+    k of N yields k, k + N, ... < n. With ``stateful``, it has a state_dict
+    (a resumed stream goes on from where it was instead of running again)."""
+
+    def __init__(self, n: int = 60, stateful: bool = False) -> None:
+        self.n, self.stateful, self.next = n, stateful, None
+
+    def __iter__(self):
+        import random
+        info = torch.utils.data.get_worker_info()
+        k, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        start = self.next if self.next is not None else k
+        for i in range(start, self.n, step):
+            self.next = i + step
+            noise = torch.rand(2, dtype=torch.float64) + float(np.random.rand()) + random.random()
+            yield {"i": i, "x": noise + i}
+
+    def __getattr__(self, name: str):
+        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
+            return {"state_dict": lambda: {"next": self.next},
+                    "load_state_dict": lambda sd: setattr(self, "next", sd["next"])}[name]
+        raise AttributeError(name)
+
+
+class OwnGenerator(Dataset):
+    """Draws from a generator of its own, seeded by dpex.sample_seed()."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        import dpex
+        generator = dpex.sample_generator()
+        return {"i": i, "x": torch.rand(3, generator=generator, dtype=torch.float64),
+                "seed": dpex.sample_seed() & 0xFFFFFFFF}

@@ -9,9 +9,10 @@ import os
 import signal
 import traceback
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from dpex.dataset import describe_dataset
+from dpex import seeding
 from dpex.procutil import die_with_parent, map_big_buffers
 from dpex.worker import handoff
 from dpex.worker.handoff import Handoff
@@ -28,6 +29,7 @@ class Task(NamedTuple):
     indices: list[int]
     base_seed: int = 0
     whole: bool = False  # an unbatched job's element that was a list: dataset[indices]
+    places: Sequence[int] = ()  # each sample's place in the epoch (one for a whole element): its draws' key
 
 
 _worker_address: Any = ""  # str, or the pool's shared slot: a forked pool starts before the daemon has a port
@@ -50,6 +52,7 @@ class _Job(NamedTuple):
     unbatched: bool = False  # batch_size=None: each element (or item) is a batch, through collate alone
     length: int = -1       # len(dataset); -1: no __len__
     fingerprint: str = ""  # the dataset's own fingerprint, if it has one
+    keyed: bool = True     # each sample's draws keyed by its place (dpex.seeding), not the process's
 
 
 class _Context(NamedTuple):
@@ -116,8 +119,9 @@ def load_job(job_id: int, job_path: str) -> _Job:
         worker_init_fn = callables.loads(job.worker_init_fn) if job.worker_init_fn else None
     dataset = spec.build()
     default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
-    _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size, job.drop_last, job.compression,
-                         job.unbatched, *describe_dataset(dataset))
+    _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size,
+                         job.drop_last, job.compression, job.unbatched, *describe_dataset(dataset),
+                         keyed=not job.process_seeds)
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -203,21 +207,28 @@ def produce(task: Task) -> bytes | Handoff:
         # What torch's map-style fetcher reads: one element without auto-batching
         # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
         stage, dataset = "getitem", job.dataset
+        places = task.places if job.keyed else ()
         if job.unbatched:
             index = -1 if task.whole else task.indices[0]
             _reading(index)
+            _seed_sample(task, places, 0)
             samples = dataset[list(task.indices)] if task.whole else dataset[index]
             _reading(-1)
         elif getattr(dataset, "__getitems__", None):
+            _seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
             samples = dataset.__getitems__(list(task.indices))
         else:
             samples = []
-            for index in task.indices:
+            for i, index in enumerate(task.indices):
                 _reading(index)
+                _seed_sample(task, places, i)
                 samples.append(dataset[index])
             _reading(-1)
         stage, index = "collate", -1
+        if places:
+            seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]))
         batch = collate(job, samples)
+        seeding.clear()
         stage = "encode"
         parts = encode_parts(batch)
         if job.compression:
@@ -225,6 +236,7 @@ def produce(task: Task) -> bytes | Handoff:
             meta.compression = job.compression
             parts = [compress(job.compression, parts)]
     except Exception as e:
+        seeding.clear()
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
     parts = frame_parts(meta, parts)
@@ -234,6 +246,13 @@ def produce(task: Task) -> bytes | Handoff:
         if sent is not None:
             return sent
     return b"".join(parts)
+
+
+def _seed_sample(task: Task, places: Sequence[int], i: int) -> None:
+    """Keys the process's generators to sample ``i`` of the task (a job with
+    keyed draws; else they run on, as in torch's workers)."""
+    if places:
+        seeding.seed_globals(seeding.for_sample(task.base_seed, places[i]))
 
 
 def _reading(index: int) -> None:

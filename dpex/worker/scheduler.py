@@ -59,6 +59,7 @@ class _Split:
     split: dpb.Split
     unproduced: set[Key] = field(default_factory=set)
     batches: list[list[int]] | None = None  # None: being computed from the epoch's sampler
+    places: list[list[int]] | None = None   # each batch's samples' places (dpex.seeding); [] where not sent
     error: BaseException | None = None      # they could not be: each batch is this error
 
     @property
@@ -221,7 +222,8 @@ class Scheduler:
                 self._unknown_since.pop(key, None)
             self._splits[split.split_id] = entry
             if not split.HasField("sampler"):
-                self._planned(entry, [list(b.indices) for b in split.batches])
+                self._planned(entry, [list(b.indices) for b in split.batches],
+                              places=[list(b.places) for b in split.batches])
                 return
         if not samplers.draws_order(split.sampler):  # a few operations per index (and, the first
             self._planner.submit(self._plan, entry)  # time, torch's import: not on this heartbeat thread)
@@ -255,12 +257,14 @@ class Scheduler:
         split = entry.split
         try:
             batches = samplers.batches(split.sampler, split.first_seq, split.num_batches)
+            places = samplers.places(split.sampler, split.first_seq, split.num_batches)
         except Exception as e:  # noqa: BLE001 - the split's error, reported to its consumer
             self._planned(entry, None, e)
             return
-        self._planned(entry, batches)
+        self._planned(entry, batches, places=places)
 
-    def _planned(self, entry: _Split, batches: list[list[int]] | None, error: BaseException | None = None) -> None:
+    def _planned(self, entry: _Split, batches: list[list[int]] | None, error: BaseException | None = None,
+                 places: list[list[int]] | None = None) -> None:
         """A split's indices are known: its batches may be produced."""
         with self._cond:
             split = entry.split
@@ -269,7 +273,7 @@ class Scheduler:
             if error is not None:
                 log.error("cannot compute a split's indices: %s", error,
                           extra=fields(job_id=split.job_id, split_id=split.split_id))
-            entry.batches, entry.error = batches, error
+            entry.batches, entry.error, entry.places = batches, error, places
             consumer = (split.job_id, split.consumer_index)
             queue = self._queue(consumer)
             delivered = set(split.delivered_seqs)  # a lost worker's split: only what is left
@@ -520,7 +524,8 @@ class Scheduler:
                 explicit = entry.split.batches[offset] if entry.split.batches else None
                 task = Task(key.job_id, self._job_path(key.job_id), key.consumer_index, key.epoch,
                             key.seq, entry.batches[offset] if entry.error is None else [],
-                            entry.split.base_seed, explicit is not None and explicit.whole)
+                            entry.split.base_seed, explicit is not None and explicit.whole,
+                            entry.places[offset] if entry.places else [])
                 if entry.error is not None:
                     future = Future()
                     future.set_result(crash_frame(task, entry.error, self._address, stage="plan"))

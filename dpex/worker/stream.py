@@ -12,14 +12,14 @@ import logging
 import multiprocessing
 import pickle
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import cloudpickle
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, frame_parts, parse_frame
-from dpex import wire
+from dpex import seeding, wire
 from dpex.worker import runtime
 from dpex.log import fields
 
@@ -34,6 +34,13 @@ def _meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
 
 
 _END = object()
+
+
+class _Resumable(NamedTuple):
+    """A stream's state after a batch: its dataset's ``state_dict()`` and,
+    for a job with keyed draws, its process's generators."""
+    dataset: Any
+    rng: tuple
 
 
 def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> None:
@@ -65,7 +72,11 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         stateful = callable(getattr(job.dataset, "state_dict", None))
         if split["state"]:  # a resumed stream: where the dataset said it was after batch next-1
             stage = "load_state_dict"
-            job.dataset.load_state_dict(pickle.loads(split["state"]))
+            saved = pickle.loads(split["state"])
+            if isinstance(saved, _Resumable):  # and where its generators were: it draws on as it would have
+                seeding.restore_global_states(saved.rng)
+                saved = saved.dataset
+            job.dataset.load_state_dict(saved)
         stage = "iterate"
         samples = iter(job.dataset)
         while True:
@@ -79,10 +90,13 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
                 batch = list(itertools.islice(samples, job.batch_size))
                 if not batch or (job.drop_last and len(batch) < job.batch_size):
                     break
-            stage = "state_dict"
-            state = cloudpickle.dumps(job.dataset.state_dict()) if stateful else b""
+            stage = "state_dict"  # a stream without one is resumed by running it again from its start
+            saved = job.dataset.state_dict() if stateful else None
             stage = "collate"
             collated = runtime.collate(job, batch)
+            state = b""
+            if stateful:  # the generators as collate_fn left them: where the next batch draws from
+                state = cloudpickle.dumps(_Resumable(saved, seeding.global_states()) if job.keyed else saved)
             stage = "encode"
             frame = b"".join(frame_parts(_meta(split, j, stream_state=state), wire.encode_parts(collated)))
             if not send(frame):

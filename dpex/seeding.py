@@ -1,0 +1,105 @@
+"""Reproducible draws: a sample's random numbers are keyed by the epoch's
+base seed and the sample's place in the epoch's plan, never by which worker
+or process makes it.
+
+torch's DataLoader seeds worker k with ``base_seed + k`` once per epoch, so
+a sample's draws depend on which worker made it (batch i goes to worker
+i mod num_workers). A Dpex batch goes to whichever process is free, on
+whichever worker, possibly again after a failure; so before each sample the
+batch process sets torch's, numpy's and ``random``'s global generators from
+``for_sample(base_seed, place)``, and before ``collate_fn`` from
+``for_collate(base_seed, place of the batch's first sample)``; user code
+that keeps generators of its own reads the seed with ``dpex.sample_seed()``. A place is
+the sample's position in the epoch's sampler order, the same whatever the
+batch size and (for DistributedSampler, dpex.ShuffleSampler) the number of
+ranks: see ``SamplerSpec.place_offset`` and ``dpex.plan.samplers.places``.
+
+The base seed is what torch's DataLoader draws at ``iter()`` (from the
+loader's ``generator``, or torch's global RNG), so a run seeded as a torch
+run is seeded alike.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+_SAMPLE, _COLLATE = b"dpex-sample", b"dpex-collate"
+_KEY = struct.Struct("<qq")
+_MASK64 = (1 << 64) - 1
+
+_current: int | None = None  # the seed of the sample (or collate) being made in this process
+
+
+def _derive(domain: bytes, base_seed: int, place: int) -> int:
+    # Signed 64-bit packing: a base seed is torch's int64 draw, a place may be any int64.
+    base = ((base_seed + (1 << 63)) & _MASK64) - (1 << 63)
+    digest = hashlib.blake2b(_KEY.pack(base, place), digest_size=8, person=domain).digest()
+    return int.from_bytes(digest, "little")
+
+
+def for_sample(base_seed: int, place: int) -> int:
+    """The 64-bit seed of the sample at ``place`` of an epoch of ``base_seed``."""
+    return _derive(_SAMPLE, base_seed, place)
+
+
+def for_collate(base_seed: int, place: int) -> int:
+    """The seed of collate_fn for the batch whose first sample is at ``place``."""
+    return _derive(_COLLATE, base_seed, place)
+
+
+def seed_globals(seed: int) -> None:
+    """Sets torch's (CPU), numpy's and ``random``'s global generators from
+    ``seed``, as torch's DataLoader seeds a worker (torch and ``random`` with
+    the seed, numpy with 32 bits of it)."""
+    global _current
+    import random
+
+    import numpy as np
+    import torch
+    _current = seed
+    random.seed(seed)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed would also seed every accelerator: 100x slower
+    np.random.seed(seed & 0xFFFFFFFF)
+
+
+def clear() -> None:
+    """No sample is being made any more (sample_seed() is None)."""
+    global _current
+    _current = None
+
+
+def sample_seed() -> int | None:
+    """In a Dpex batch process: the seed of the sample (or, in ``collate_fn``,
+    of the batch) being made, from which its global generators were set; for
+    code that keeps generators of its own. None elsewhere (the trainer, a
+    torch DataLoader's worker, a loader with ``reproducible=False``)."""
+    return _current
+
+
+def sample_generator() -> Any:
+    """A new ``torch.Generator`` seeded with :func:`sample_seed` (None where that is None)."""
+    if _current is None:
+        return None
+    import torch
+    return torch.Generator().manual_seed(_current)
+
+
+def global_states() -> tuple:
+    """The states of ``random``'s, torch's (CPU) and numpy's global generators."""
+    import random
+
+    import numpy as np
+    import torch
+    return random.getstate(), torch.get_rng_state(), np.random.get_state()
+
+
+def restore_global_states(states: tuple) -> None:
+    """Puts the generators back where :func:`global_states` found them."""
+    import random
+
+    import numpy as np
+    import torch
+    random.setstate(states[0])
+    torch.set_rng_state(states[1])
+    np.random.set_state(states[2])
