@@ -10,7 +10,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.wire import decode, parse_frame
 from dpex.wire.compression import decompress
 from dpex.wire.frame import frame_view
-from dpex.worker import handoff
+from dpex import shm
 
 
 def header(frame: Any) -> tuple[wpb.Batch, Any]:
@@ -22,7 +22,7 @@ def mapped(meta: wpb.Batch) -> tuple[wpb.Batch, Any]:
     """The frame a hand-off header points to, mapped from its file. OSError as
     mapping raises it (PermissionError: another user's file; FileNotFoundError:
     gone with its worker)."""
-    return parse_frame(handoff.map_frame(meta.shm_path, meta.shm_size))
+    return parse_frame(shm.map_frame(meta.shm_path, meta.shm_size))
 
 
 def batch(meta: wpb.Batch, payload: Any) -> Any:

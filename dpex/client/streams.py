@@ -18,9 +18,8 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.errors import DpexWireError
 from dpex.rpc import channel
 from dpex.wire import parse_frame
-from dpex.worker import handoff
-from dpex.worker.dataport import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
-from dpex.worker.handoff import HOST_METADATA, host_id
+from dpex import shm
+from dpex.shm import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA, host_id
 
 log = logging.getLogger("dpex.client")
 
@@ -33,8 +32,8 @@ class Received(NamedTuple):
 
 def drop_file(meta: wpb.Batch) -> None:
     """A hand-off file for a frame we do not take: remove it (only a real one)."""
-    if meta.shm_path and handoff.is_handoff_path(meta.shm_path):
-        handoff.discard(handoff.Handoff(meta.shm_path, meta.shm_size))
+    if meta.shm_path and shm.is_handoff_path(meta.shm_path):
+        shm.discard(shm.Handoff(meta.shm_path, meta.shm_size))
 
 
 def _connect(address: str, port: int, key: bytes) -> socket.socket:

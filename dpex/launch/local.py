@@ -17,7 +17,7 @@ from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
 from dpex.launch.forked import ForkedProcess, can_fork, fork_worker
 from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
-from dpex.worker import handoff
+from dpex import shm
 
 
 @dataclass
@@ -232,7 +232,7 @@ class LocalCluster:
             stop_process(daemon.process)
         if dispatcher_box[0] is not None:
             stop_process(dispatcher_box[0].process)
-        handoff.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
+        shm.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
         remove_dead_temp_dirs("worker")
         remove_dead_temp_dirs("dispatcher")
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -30,8 +30,6 @@ import time
 log = logging.getLogger("dpex.worker")
 
 KEY_BYTES = 16
-REQUEST_METADATA = "dpex-data"
-PORT_METADATA, KEY_METADATA = "dpex-data-port", "dpex-data-key"
 _UNCLAIMED_S = 30.0   # a socket no stream claims in this time is closed
 _HANDSHAKE_S = 5.0    # to send its key
 _MAX_HANDSHAKES_PER_HOST = 16  # sockets of one source address still to send their key

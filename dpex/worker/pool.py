@@ -15,7 +15,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
-from dpex.worker import handoff, runtime
+from dpex import shm
+from dpex.worker import runtime
 from dpex.worker.runtime import Task
 
 log = logging.getLogger("dpex.worker")
@@ -27,9 +28,9 @@ class BatchPool:
     """A pool of N processes; a crashed child fails its batch, not the daemon."""
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
-                 handoff_min_bytes: int = handoff.MIN_BYTES, fork: bool = False) -> None:
+                 handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False) -> None:
         """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
-        back as /dev/shm files (dpex.worker.handoff), else through the pipe.
+        back as /dev/shm files (dpex.shm), else through the pipe.
         ``fork``: fork the first processes (only in a process with no other
         thread yet); ones started after a crash are spawned. The address may
         be given later (:meth:`set_address`)."""
@@ -42,7 +43,7 @@ class BatchPool:
         self._lock = threading.Lock()
         self._closed = False
         self._last_death: tuple[int, int, int] | None = None
-        self.handoff_dir = handoff.make_dir() if shared_memory else None
+        self.handoff_dir = shm.make_dir() if shared_memory else None
         self._executor = self._start()
 
     def set_address(self, worker_address: str) -> None:
@@ -123,7 +124,7 @@ class BatchPool:
             # Its queues and locks are named semaphores in /dev/shm, unlinked
             # when collected: not kept alive by a closed pool still referenced.
             self._executor = None  # type: ignore[assignment]
-            handoff.remove_dir(self.handoff_dir)
+            shm.remove_dir(self.handoff_dir)
 
 
 def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str = "process",

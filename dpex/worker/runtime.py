@@ -14,8 +14,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 from dpex.dataset import describe_dataset
 from dpex import seeding
 from dpex.procutil import die_with_parent, map_big_buffers
-from dpex.worker import handoff
-from dpex.worker.handoff import Handoff
+from dpex import shm
+from dpex.shm import Handoff
 
 _MAX_CACHED_JOBS = 8
 
@@ -35,7 +35,7 @@ class Task(NamedTuple):
 _worker_address: Any = ""  # str, or the pool's shared slot: a forked pool starts before the daemon has a port
 _child_index, _num_children = 0, 1
 _handoff_dir: str | None = None
-_handoff_min_bytes = handoff.MIN_BYTES
+_handoff_min_bytes = shm.MIN_BYTES
 _produced = 0
 _arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
 _slots: Any = None  # shared with the daemon: [pid, sample being read] per child, what a death reports
@@ -191,7 +191,7 @@ def collate(job: _Job, samples: list) -> Any:
 
 def produce(task: Task) -> bytes | Handoff:
     """Runs in a child: returns a whole Batch frame, with a payload or an
-    error (a large one as a hand-off file: see dpex.worker.handoff)."""
+    error (a large one as a hand-off file: see dpex.shm)."""
     global _produced
     from dpex.proto import worker_pb2 as wpb
     from dpex.wire import encode_parts, frame_parts
@@ -242,7 +242,7 @@ def produce(task: Task) -> bytes | Handoff:
     parts = frame_parts(meta, parts)
     if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= _handoff_min_bytes:
         _produced += 1
-        sent = handoff.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0], _num_children)
+        sent = shm.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0], _num_children)
         if sent is not None:
             return sent
     return b"".join(parts)

@@ -28,7 +28,7 @@ from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
-from dpex.worker import handoff
+from dpex import shm
 from dpex.worker.budget import Budget, Consumer, Turns
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool, crash_frame
@@ -38,7 +38,7 @@ from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
 
-Frame = "bytes | handoff.Handoff"  # a Handoff: the frame lies in a /dev/shm file (dpex.worker.handoff)
+Frame = "bytes | shm.Handoff"  # a Handoff: the frame lies in a /dev/shm file (dpex.shm)
 Sink = Callable[[Frame], None]
 
 
@@ -175,7 +175,7 @@ class Scheduler:
     def _take_ready(self, key: Key) -> Frame | None:
         frame = self._ready.pop(key, None)
         if frame is not None:
-            self._budget.taken(key.consumer, handoff.size_of(frame))
+            self._budget.taken(key.consumer, shm.size_of(frame))
         return frame
 
     def _requeue(self, key: Key) -> None:
@@ -188,7 +188,7 @@ class Scheduler:
         """Frees a consumer's ready batches beyond its ``keep`` lowest; how many."""
         keys = sorted(k for k in self._ready if k.consumer == consumer)[keep:]
         for key in keys:
-            handoff.discard(self._take_ready(key))
+            shm.discard(self._take_ready(key))
             self._requeue(key)
         return len(keys)
 
@@ -307,7 +307,7 @@ class Scheduler:
                 queue = self._queues.get((split.job_id, split.consumer_index))
                 for key in split_keys(split):
                     self._where.pop(key, None)
-                    handoff.discard(self._take_ready(key) or b"")
+                    shm.discard(self._take_ready(key) or b"")
                     if queue is not None:
                         queue.todo.discard(key)
                     for sink in self._waiters.pop(key, []):
@@ -548,7 +548,7 @@ class Scheduler:
             else:
                 log.error("batch failed in the pool: %s", e, extra=where)
             frame = crash_frame(task, e, self._address, death=self._pool.death())
-        size = handoff.size_of(frame)
+        size = shm.size_of(frame)
         self.meter.produced(size)
         with self._cond:
             self._running.pop(key, None)
@@ -558,7 +558,7 @@ class Scheduler:
                 self._budget.stopped(key.consumer)
             self._cond.notify_all()
             if key not in self._where:
-                handoff.discard(frame)
+                shm.discard(frame)
                 self._forget_if_unused(key.consumer)
                 return  # released meanwhile
             entry = self._splits[self._where[key][0]]
@@ -570,7 +570,7 @@ class Scheduler:
                 for sink in sinks:
                     sink(frame)
             elif queue is not None and queue.idle:
-                handoff.discard(frame)  # its trainer left meanwhile: make it again if asked
+                shm.discard(frame)  # its trainer left meanwhile: make it again if asked
                 self._requeue(key)
             else:
                 self._ready[key] = frame

@@ -19,7 +19,7 @@ from dpex.auth import server_credentials
 from dpex.metrics import MetricsServer, load_metrics
 from dpex.procutil import temp_dir
 from dpex.rpc import add_health, listen, server_interceptors, server_options
-from dpex.worker import handoff
+from dpex import shm
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.dataport import DataPort
 from dpex.worker.meter import Meter
@@ -134,10 +134,11 @@ class WorkerServer:
         held.add_metric([], len(self.scheduler.held_split_ids()))
         busy = CounterMetricFamily("dpex_worker_busy_seconds", "Process-seconds spent producing batches.")
         busy.add_metric([], self.scheduler.meter.busy_seconds())
-        shm = GaugeMetricFamily("dpex_worker_shm_bytes", "Bytes of hand-off files in /dev/shm: frame (not yet "
-                                "sent or mapped), lent (mapped by a trainer), spare (kept for reuse).", labels=["kind"])
-        for kind, size in handoff.usage(self.pool.handoff_dir).items():
-            shm.add_metric([kind], size)
+        shm_bytes = GaugeMetricFamily("dpex_worker_shm_bytes", "Bytes of hand-off files in /dev/shm: frame (not yet "
+                                      "sent or mapped), lent (mapped by a trainer), spare (kept for reuse).",
+                                      labels=["kind"])
+        for kind, size in shm.usage(self.pool.handoff_dir).items():
+            shm_bytes.add_metric([kind], size)
         ready = GaugeMetricFamily("dpex_worker_consumer_ready_batches", "Batches made ahead for a consumer, "
                                   "waiting for its request (each holds at most its share of the buffer).",
                                   labels=["job_id", "consumer"])
@@ -146,7 +147,7 @@ class WorkerServer:
         for (job_id, consumer), (batches, nbytes) in self.scheduler.holdings().items():
             ready.add_metric([str(job_id), str(consumer)], batches)
             ready_bytes.add_metric([str(job_id), str(consumer)], nbytes)
-        return [held, busy, shm, ready, ready_bytes,
+        return [held, busy, shm_bytes, ready, ready_bytes,
                 *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
@@ -165,7 +166,7 @@ class WorkerServer:
         """Every few seconds, removes hand-off files lent to trainers that
         died (they never give them back)."""
         while not self._stopping.wait(_SWEEP_EVERY_S):
-            handoff.sweep_lent(self.pool.handoff_dir)
+            shm.sweep_lent(self.pool.handoff_dir)
 
     def close(self, grace_s: float | None = None) -> None:
         """Drains: deregisters (the dispatcher re-plans our splits and trainers

@@ -13,9 +13,9 @@ import grpc
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
 from dpex.wire import build_frame, parse_frame
-from dpex.worker import handoff
-from dpex.worker.dataport import KEY_METADATA, PORT_METADATA, REQUEST_METADATA, DataPort, Sender
-from dpex.worker.handoff import HOST_METADATA, Handoff
+from dpex import shm
+from dpex.worker.dataport import DataPort, Sender
+from dpex.shm import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA, Handoff
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")
@@ -41,7 +41,7 @@ class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
                  max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
                  spare_files: int = 0, data_port: DataPort | None = None) -> None:
-        """``spare_files``: hand-off files kept for reuse once sent (dpex.worker.handoff);
+        """``spare_files``: hand-off files kept for reuse once sent (dpex.shm);
         ``data_port``: frames to trainers that ask go over a socket of it (dpex.worker.dataport)."""
         self._data_port = data_port
         self._scheduler = scheduler
@@ -49,7 +49,7 @@ class WorkerService:
         self._max_frame = max_frame_bytes
         self._address = worker_address
         self._meter = scheduler.meter
-        self._host = handoff.host_id() if shared_memory else ""
+        self._host = shm.host_id() if shared_memory else ""
         self._spares = spare_files
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -96,7 +96,7 @@ class WorkerService:
                 frame = out.get()
                 if frame is None:
                     return
-                self._meter.sent(handoff.size_of(frame))
+                self._meter.sent(shm.size_of(frame))
                 if same_host and isinstance(frame, Handoff):
                     pointed.append(frame)
                 outgoing = self._outgoing(frame, same_host)
@@ -114,9 +114,9 @@ class WorkerService:
             self._meter.stream(-1)
             self._scheduler.cancel(sink)
             while not out.empty():  # asked for, produced, never sent
-                handoff.discard(out.get())
+                shm.discard(out.get())
             for frame in pointed:  # named but never mapped (a mapped one was renamed): the trainer left
-                handoff.discard(frame)
+                shm.discard(frame)
 
     def _data_socket(self, context: grpc.ServicerContext) -> Sender | None:
         """Pairs this stream with the trainer's data socket (None: it stays on gRPC)."""
@@ -139,7 +139,7 @@ class WorkerService:
                 meta = wpb.Batch.FromString(frame.meta)
                 meta.shm_path, meta.shm_size = frame.path, frame.size
                 return build_frame(meta)
-            frame = handoff.take(frame, self._spares)
+            frame = shm.take(frame, self._spares)
         if len(frame) > self._max_frame:
             return oversize_frame(frame, self._max_frame, self._address)
         return frame

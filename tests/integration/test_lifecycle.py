@@ -15,7 +15,7 @@ import pytest
 import dpex
 from dpex.launch import local
 from dpex.testing import descendants, pids_alive, test_cluster, wait_until
-from dpex.worker import handoff
+from dpex import shm
 
 
 def dpex_threads():
@@ -37,7 +37,7 @@ def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
         with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
                                    batch_size=4) as dl:
             assert len(list(dl)) == 16
-        directories = [os.path.join(handoff.SHM, f"dpex-{w.process.pid}") for w in c.workers]
+        directories = [os.path.join(shm.SHM, f"dpex-{w.process.pid}") for w in c.workers]
         assert all(os.path.isdir(d) for d in directories)
         c.kill_worker(0)  # it cannot remove its own directory
         assert os.path.isdir(directories[0])
