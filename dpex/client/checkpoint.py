@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex.errors import DpexConfigError
-from dpex.plan.seq import stream_seq_exists, streams_limit
+from dpex.plan.seq import stream_of, stream_seq, stream_seq_exists, streams_limit
 from dpex.proto import dispatcher_pb2 as dpb
 
 FORMAT = "dpex.RemoteDataLoader"
@@ -72,7 +72,7 @@ class Progress:
             state = self._offered.pop(seq, None)
             if state is not None:
                 self._states[seq] = state
-                self._advance_stream(seq % self.num_streams)
+                self._advance_stream(stream_of(seq, self.num_streams)[0])
 
     def offer(self, seq: int, state: bytes) -> None:
         """The dataset's state after batch ``seq``, kept once the loop is given the batch."""
@@ -84,8 +84,8 @@ class Progress:
 
     def _advance_stream(self, k: int) -> None:
         j, state = self.stream_states.get(k, (0, b""))
-        while self._given(j * self.num_streams + k) and j * self.num_streams + k in self._states:
-            state = self._states.pop(j * self.num_streams + k)
+        while self._given(stream_seq(k, j, self.num_streams)) and stream_seq(k, j, self.num_streams) in self._states:
+            state = self._states.pop(stream_seq(k, j, self.num_streams))
             j += 1
         if state:
             self.stream_states[k] = (j, state)

@@ -18,6 +18,7 @@ import grpc
 
 from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConnectionError, DpexError, DpexTimeoutError,
                          DpexWireError, rebuild)
+from dpex.plan.seq import stream_of
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
@@ -370,7 +371,7 @@ class EpochFetcher:
                 self._router.forget(seq, got.address)
             return False
         if meta.end_of_stream and ledger.n:
-            ledger.end_stream(seq % ledger.n, seq // ledger.n)
+            ledger.end_stream(*stream_of(seq, ledger.n))
             self._control.next_seq = ledger.low
             return True
         if not ledger.is_new(seq):

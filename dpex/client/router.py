@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
 
 BACKOFF_S = 1.0  # a worker whose stream failed is not asked again before this
@@ -23,7 +24,7 @@ class Router:
         self.workers_alive = -1             # as the dispatcher last said; -1: not yet
 
     def _key(self, seq: int) -> int:
-        return seq % self._n if self._n else seq
+        return seqs.stream_of(seq, self._n)[0] if self._n else seq
 
     def update(self, response: dpb.SyncConsumerResponse) -> None:
         """The dispatcher's owners replace what was known."""
@@ -32,7 +33,7 @@ class Router:
         for o in response.owners:
             if self._n:
                 self._owner[o.first_seq] = o.worker_address  # a stream
-            for seq in range(o.first_seq, o.first_seq + o.num_batches):
+            for seq in seqs.split_seqs(o.first_seq, o.num_batches):
                 self._owner[seq] = o.worker_address
 
     def owner(self, seq: int) -> str | None:

@@ -24,6 +24,7 @@ from dpex.dispatcher.waiters import Waiters
 from dpex.auth import is_loopback_peer
 from dpex.log import fields
 from dpex.plan import samplers
+from dpex.plan.seq import split_seqs
 from dpex.plan.spec import PlanHash, resumed
 from dpex.procutil import temp_dir
 from dpex.errors import JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
@@ -206,7 +207,8 @@ class DispatcherService(dgrpc.DispatcherServicer):
         elif plan.plan_file:
             out.batches.extend(self._plan_files.read(plan.plan_file, split.index, split.num_batches))
         else:
-            out.batches.extend(plan.inline[split.first_seq:split.first_seq + split.num_batches])
+            where = split_seqs(split.first_seq, split.num_batches)
+            out.batches.extend(plan.inline[where.start:where.stop])
 
     # ---- workers ----------------------------------------------------------
     @servicer_method

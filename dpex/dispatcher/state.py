@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
@@ -111,8 +112,8 @@ class Plan:
 
     def resumed_in(self, first_seq: int, count: int) -> set[int]:
         """The seqs of ``first_seq .. +count`` delivered before the checkpoint."""
-        return {seq for start, end in self.resumed
-                for seq in range(max(start, first_seq), min(end, first_seq + count))}
+        split = seqs.split_seqs(first_seq, count)
+        return {s for start, end in self.resumed for s in range(max(start, split.start), min(end, split.stop))}
 
     @property
     def split_ids(self) -> range:
@@ -123,7 +124,7 @@ class Plan:
         return self.done >= self.num_splits
 
     def first_seq(self, index: int) -> int:
-        return index if self.num_streams else index * self.split_size
+        return seqs.first_seq(index, self.split_size, self.num_streams)
 
     def split_batches(self, index: int) -> int:
         """How many batches split ``index`` holds (0: a stream, length unknown)."""
@@ -305,7 +306,7 @@ class DispatcherState:
         for seq in u.seqs:
             if seq >= plan.num_batches:
                 continue
-            split = self.splits.get(plan.first_split_id + seq // plan.split_size)
+            split = self.splits.get(plan.first_split_id + seqs.split_index(seq, plan.split_size))
             if split is None or seq in split.delivered:
                 continue  # done already (or never handed out: nobody could have made it)
             split.delivered.add(seq)
@@ -510,7 +511,7 @@ class DispatcherState:
     def unassigned_split_of(self, plan: Plan, seq: int) -> int | None:
         """The id of the plan's split holding batch ``seq`` if no worker has it
         and it is not done; else None."""
-        index = seq % plan.num_streams if plan.num_streams else seq // plan.split_size
+        index = seqs.split_index(seq, plan.split_size, plan.num_streams)
         if plan.finished or index >= plan.num_splits:
             return None
         split = self.splits.get(plan.first_split_id + index)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from dpex.plan import samplers
+from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame
@@ -95,8 +96,8 @@ class _Queue:
 
 def split_keys(split: dpb.Split) -> list[Key]:
     """The batch ids of a (map-style) split, in order."""
-    return [Key(split.epoch, split.first_seq + i, split.consumer_index, split.job_id)
-            for i in range(split.num_batches or len(split.batches))]
+    return [Key(split.epoch, s, split.consumer_index, split.job_id)
+            for s in seqs.split_seqs(split.first_seq, split.num_batches or len(split.batches))]
 
 
 def not_assigned_frame(key: Key) -> bytes:
@@ -195,7 +196,10 @@ class Scheduler:
     # ---- splits from the dispatcher --------------------------------------------
     def _stream_of(self, key: Key) -> tuple[StreamRunner | None, int]:
         n, runners = self._streams.get((key.job_id, key.consumer_index, key.epoch), (0, {}))
-        return (runners.get(key.seq % n), key.seq // n) if n else (None, 0)
+        if not n:
+            return None, 0
+        stream, j = seqs.stream_of(key.seq, n)
+        return runners.get(stream), j
 
     def _add_stream(self, split: dpb.Split) -> None:
         runner = StreamRunner(split, self._job_path(split.job_id), self._address, self._buffer)
@@ -203,10 +207,10 @@ class Scheduler:
         self._streams.setdefault(group, (split.num_streams, {}))[1][split.first_seq] = runner
         self._splits[split.split_id] = _Split(split)  # nothing to produce here: no capacity used
         for key in [k for k in self._waiters if (k.job_id, k.consumer_index, k.epoch) == group
-                    and k.seq % split.num_streams == split.first_seq]:
+                    and seqs.stream_of(k.seq, split.num_streams)[0] == split.first_seq]:
             self._unknown_since.pop(key, None)
             for sink in self._waiters.pop(key):
-                runner.request(key.seq // split.num_streams, sink)
+                runner.request(seqs.stream_of(key.seq, split.num_streams)[1], sink)
 
     def add_split(self, split: dpb.Split) -> None:
         with self._cond:

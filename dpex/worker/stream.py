@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import cloudpickle
 
+from dpex.plan.seq import stream_seq
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, frame_parts, parse_frame
@@ -30,7 +31,7 @@ Sink = Callable[[bytes], None]
 
 def _meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
     return wpb.Batch(job_id=split["job_id"], consumer_index=split["consumer_index"], epoch=split["epoch"],
-                     seq=j * split["num_streams"] + split["stream"], **fields)
+                     seq=stream_seq(split["stream"], j, split["num_streams"]), **fields)
 
 
 _END = object()
