@@ -9,35 +9,37 @@ from dpex.cmd.common import (auth_options, fail, log_options, message_limit_opti
 from dpex.config import DispatcherConfig
 from dpex.errors import DpexError
 
+_D = DispatcherConfig  # its fields' defaults are the flags'
+
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--port", type=int, default=7070, envvar="DPEX_PORT", show_envvar=True,
+@click.option("--port", type=int, default=_D.port, envvar="DPEX_PORT", show_envvar=True,
               help="Port to listen on (0 picks a free one).")
-@click.option("--host", default="0.0.0.0", envvar="DPEX_HOST", show_envvar=True,
+@click.option("--host", default=_D.host, envvar="DPEX_HOST", show_envvar=True,
               help="Address to bind.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, envvar="DPEX_WORK_DIR",
               show_envvar=True, help="Directory of the journal: every state change is written (fsync'd) "
               "there first; a restart reads the last snapshot and the log after it. Without it, state is "
               "in memory only.")
-@click.option("--heartbeat-interval", type=float, default=5.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+@click.option("--heartbeat-interval", type=float, default=_D.heartbeat_interval_s, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds a worker's heartbeat long-polls when there is nothing to tell "
               "it (work and changes are answered at once); longer: less load from a large fleet.")
-@click.option("--heartbeat-timeout", type=float, default=10.0, envvar="DPEX_HEARTBEAT_TIMEOUT",
+@click.option("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s, envvar="DPEX_HEARTBEAT_TIMEOUT",
               show_envvar=True, help="Seconds of silence after which a worker is lost.")
-@click.option("--consumer-timeout", type=float, default=60.0, envvar="DPEX_CONSUMER_TIMEOUT",
+@click.option("--consumer-timeout", type=float, default=_D.consumer_timeout_s, envvar="DPEX_CONSUMER_TIMEOUT",
               show_envvar=True, help="Seconds without news from a trainer mid-epoch after which its plan "
               "is released and workers free what they hold for it.")
-@click.option("--job-gc-timeout", type=float, default=300.0, envvar="DPEX_JOB_GC_TIMEOUT", show_envvar=True,
+@click.option("--job-gc-timeout", type=float, default=_D.job_gc_timeout_s, envvar="DPEX_JOB_GC_TIMEOUT", show_envvar=True,
               help="Seconds a job may go without any call from its trainers before it is removed, with its "
               "splits and the workers' batches for it (0: never). A trainer that comes back gets a fresh job.")
-@click.option("--worker-gc-timeout", type=float, default=600.0, envvar="DPEX_WORKER_GC_TIMEOUT",
+@click.option("--worker-gc-timeout", type=float, default=_D.worker_gc_timeout_s, envvar="DPEX_WORKER_GC_TIMEOUT",
               show_envvar=True, help="Seconds after which a lost or drained worker is forgotten (0: never).")
-@click.option("--split-size", type=int, default=4, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
+@click.option("--split-size", type=int, default=_D.split_size_batches, envvar="DPEX_SPLIT_SIZE", show_envvar=True,
               help="Batches per split, the unit of work handed to a worker.")
-@message_limit_option(256, "Largest request taken, in MiB (a plan of explicit indices comes in 2 MiB chunks).")
-@click.option("--max-plan-batches", type=int, default=10_000_000, envvar="DPEX_MAX_PLAN_BATCHES",
+@message_limit_option(_D.max_message_bytes >> 20, "Largest request taken, in MiB (a plan of explicit indices comes in 2 MiB chunks).")
+@click.option("--max-plan-batches", type=int, default=_D.max_plan_batches, envvar="DPEX_MAX_PLAN_BATCHES",
               show_envvar=True, help="Largest epoch plan taken, in batches.")
-@click.option("--journal-compact-kb", type=int, default=256, envvar="DPEX_JOURNAL_COMPACT_KB",
+@click.option("--journal-compact-kb", type=int, default=_D.journal_compact_bytes >> 10, envvar="DPEX_JOURNAL_COMPACT_KB",
               show_envvar=True, help="With --work-dir: once the log passes this many KiB (and twice the last "
               "snapshot), a snapshot of the live state replaces it (0: never).")
 @metrics_option

@@ -10,40 +10,42 @@ from dpex.config import WorkerConfig
 from dpex.errors import DpexError
 from dpex.procutil import reuse_freed_memory
 
+_W = WorkerConfig  # its fields' defaults are the flags'
+
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
               help="The dispatcher's HOST:PORT.")
-@click.option("--port", type=int, default=0, envvar="DPEX_PORT", show_envvar=True,
+@click.option("--port", type=int, default=_W.port, envvar="DPEX_PORT", show_envvar=True,
               help="Port to serve batches on (0 picks a free one).")
-@click.option("--host", default="0.0.0.0", envvar="DPEX_HOST", show_envvar=True, help="Address to bind.")
+@click.option("--host", default=_W.host, envvar="DPEX_HOST", show_envvar=True, help="Address to bind.")
 @click.option("--advertise-host", default=None, envvar="DPEX_ADVERTISE_HOST", show_envvar=True,
               help="Host trainers should connect to [default: the interface that reaches the dispatcher].")
-@click.option("--processes", type=int, default=2, envvar="DPEX_PROCESSES", show_envvar=True,
+@click.option("--processes", type=int, default=_W.processes, envvar="DPEX_PROCESSES", show_envvar=True,
               help="Processes that load, transform and collate samples.")
 @click.option("--buffer-batches", type=int, default=None, envvar="DPEX_BUFFER_BATCHES", show_envvar=True,
               help="Batches each consumer (a trainer rank of a job) may have made here ahead of its "
               "requests, running or ready [default: max(8, --processes)].")
-@click.option("--buffer-mb", type=float, default=1024, envvar="DPEX_BUFFER_MB", show_envvar=True,
+@click.option("--buffer-mb", type=float, default=_W.buffer_bytes >> 20, envvar="DPEX_BUFFER_MB", show_envvar=True,
               help="Memory for batches made ahead, in MiB; the consumers with work here share it equally.")
-@click.option("--max-splits", type=int, default=4, envvar="DPEX_MAX_SPLITS", show_envvar=True,
+@click.option("--max-splits", type=int, default=_W.max_held_splits, envvar="DPEX_MAX_SPLITS", show_envvar=True,
               help="Splits with work left taken from the dispatcher at once (one more at a time while they "
               "hold fewer batches than 2 x --processes).")
-@click.option("--heartbeat-interval", type=float, default=5.0, envvar="DPEX_HEARTBEAT_INTERVAL",
+@click.option("--heartbeat-interval", type=float, default=_W.heartbeat_interval_s, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds between heartbeats to the dispatcher (as the dispatcher's).")
-@click.option("--connect-timeout", type=float, default=30.0, envvar="DPEX_CONNECT_TIMEOUT",
+@click.option("--connect-timeout", type=float, default=_W.connect_timeout_s, envvar="DPEX_CONNECT_TIMEOUT",
               show_envvar=True, help="Seconds to keep retrying an unreachable dispatcher.")
-@message_limit_option(1024, "Largest batch sent, in MiB; a bigger batch is an error for the trainer "
+@message_limit_option(_W.max_message_bytes >> 20, "Largest batch sent, in MiB; a bigger batch is an error for the trainer "
                       "(at most 1024: what trainers accept).")
 @click.option("--shm/--no-shm", default=True, envvar="DPEX_SHM", show_envvar=True,
               help="Pass large batches from the processes to the daemon through /dev/shm files, and let "
               "trainers on this host map them instead of receiving them over gRPC.")
-@click.option("--shm-min-kb", type=int, default=1024, envvar="DPEX_SHM_MIN_KB", show_envvar=True,
+@click.option("--shm-min-kb", type=int, default=_W.shm_min_bytes >> 10, envvar="DPEX_SHM_MIN_KB", show_envvar=True,
               help="Batches smaller than this take the pipe and gRPC.")
 @click.option("--data-port", type=int, default=0, envvar="DPEX_DATA_PORT", show_envvar=True,
               help="TCP port on which trainers on other hosts receive batches beside their gRPC stream "
               "(0 picks a free one, -1 turns it off: batches go in gRPC messages). Off with TLS.")
-@click.option("--drain-timeout", type=float, default=2.0, envvar="DPEX_DRAIN_TIMEOUT", show_envvar=True,
+@click.option("--drain-timeout", type=float, default=_W.drain_timeout_s, envvar="DPEX_DRAIN_TIMEOUT", show_envvar=True,
               help="On SIGTERM: seconds to answer what is in flight after deregistering (the dispatcher "
               "hands this worker's splits to others at once); then batch processes are killed and it exits.")
 @click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,

@@ -79,8 +79,7 @@ class ForkedProcess:
 
 
 def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,
-                auth_token: str | None, host: str = "127.0.0.1",
-                heartbeat_interval_s: float = 5.0) -> ForkedProcess:
+                auth_token: str | None, host: str = "127.0.0.1") -> ForkedProcess:
     """Forks the embedded worker of ``processes`` batch processes. It reads
     the dispatcher's address from ``address_pipe`` (the trainer writes it
     once the dispatcher serves; EOF: it did not start), writes ``ready``
@@ -97,7 +96,7 @@ def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,
         return ForkedProcess(pid)
     code = 1
     try:
-        _serve(processes, address_pipe, ready, log_path, auth_token, host, heartbeat_interval_s, trainer)
+        _serve(processes, address_pipe, ready, log_path, auth_token, host, trainer)
         code = 0
     except BaseException:  # noqa: BLE001 - reported in the log, which the trainer shows
         import traceback
@@ -110,7 +109,7 @@ def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,
 
 
 def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_token: str | None,
-           host: str, heartbeat_interval_s: float, trainer: int) -> None:
+           host: str, trainer: int) -> None:
     # The trainer's objects are never collected here: none of its finalizers run
     # in this copy (it would close the trainer's things), and its pages stay shared.
     gc.freeze()
@@ -144,8 +143,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
         address = _read_address(address_pipe)
         if not address:
             return  # the dispatcher did not start: the trainer reports why
-        config = WorkerConfig(dispatcher=address, host=host, port=0, processes=processes,
-                              heartbeat_interval_s=heartbeat_interval_s, auth_token=auth_token,
+        config = WorkerConfig(dispatcher=address, host=host, port=0, processes=processes, auth_token=auth_token,
                               drain_timeout_s=0)  # nobody else uses it: nothing to drain
         server = WorkerServer(config, pool=pool)
     except BaseException:

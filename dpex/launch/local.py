@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from dpex.config import DispatcherConfig, WorkerConfig
 from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
 from dpex.launch.forked import ForkedProcess, can_fork, fork_worker
@@ -93,13 +94,14 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
-                 heartbeat_interval_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
-                 split_size_batches: int = 4, buffer_batches: int | None = None, work_dir: str | None = None,
-                 consumer_timeout_s: float = 60.0, auth_token: str | None = None,
+                 heartbeat_interval_s: float = DispatcherConfig.heartbeat_interval_s,
+                 heartbeat_timeout_s: float = DispatcherConfig.heartbeat_timeout_s,
+                 split_size_batches: int = DispatcherConfig.split_size_batches, buffer_batches: int | None = None,
+                 work_dir: str | None = None, consumer_timeout_s: float = DispatcherConfig.consumer_timeout_s, auth_token: str | None = None,
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 drain_timeout_s: float = 2.0, log_dir: str | None = None) -> None:
+                 drain_timeout_s: float = WorkerConfig.drain_timeout_s, log_dir: str | None = None) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
         self.host = host
