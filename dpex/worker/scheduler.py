@@ -20,11 +20,10 @@ import heapq
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from dpex.plan import samplers
 from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
@@ -32,6 +31,7 @@ from dpex.wire import build_frame
 from dpex import shm
 from dpex.worker.budget import Budget, Consumer, Turns
 from dpex.worker.meter import Meter
+from dpex.worker.planner import Planner
 from dpex.worker.pool import BatchPool, crash_frame
 from dpex.worker.runtime import Task, produce
 from dpex.worker.stream import StreamRunner
@@ -132,13 +132,7 @@ class Scheduler:
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
         self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._closed = False
-        # A described split whose indices need the epoch's whole permutation is computed
-        # here, off the scheduler's thread: drawing it is O(len(dataset)) (a minute at 10^9),
-        # and one job's draw must not hold up another's: a thread per order, not per split
-        # (a draw runs on even when its epoch was left; a split released before its turn
-        # is skipped, and with it the draw when none of its order is held any more).
-        self._planner = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dpex-planner")
-        self._drawing: dict[bytes, list[_Split]] = {}  # an order's splits not yet planned
+        self._planner: Planner[_Split] = Planner(lambda entry: entry.split, self._held, self._planned)
         self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
         self._thread.start()
@@ -229,46 +223,15 @@ class Scheduler:
                 self._planned(entry, [list(b.indices) for b in split.batches],
                               places=[list(b.places) for b in split.batches])
                 return
-        if not samplers.draws_order(split.sampler):  # a few operations per index (and, the first
-            self._planner.submit(self._plan, entry)  # time, torch's import: not on this heartbeat thread)
-            return
-        key = samplers.order_key(split.sampler)
-        with self._cond:  # one planner thread per order: the others stay free for other jobs
-            waiting = self._drawing.get(key)
-            if waiting is not None:
-                waiting.append(entry)
-                return
-            self._drawing[key] = [entry]
-        self._planner.submit(self._plan_order, key)
+        self._planner.plan(entry)
 
-    def _plan_order(self, key: bytes) -> None:
-        """Plans the splits of one order as they come; the first draws it."""
-        while True:
-            with self._cond:
-                entries = self._drawing[key]
-                if not entries:
-                    del self._drawing[key]
-                    return
-                self._drawing[key] = []
-            for entry in entries:
-                self._plan(entry)
-
-    def _plan(self, entry: _Split) -> None:
-        """Computes a described split's indices, unless it was released meanwhile."""
+    def _held(self, entry: _Split) -> bool:
+        """The split is still held here (not released meanwhile)."""
         with self._cond:
-            if self._splits.get(entry.split.split_id) is not entry:
-                return
-        split = entry.split
-        try:
-            batches = samplers.batches(split.sampler, split.first_seq, split.num_batches)
-            places = samplers.places(split.sampler, split.first_seq, split.num_batches)
-        except Exception as e:  # noqa: BLE001 - the split's error, reported to its consumer
-            self._planned(entry, None, e)
-            return
-        self._planned(entry, batches, places=places)
+            return self._splits.get(entry.split.split_id) is entry
 
-    def _planned(self, entry: _Split, batches: list[list[int]] | None, error: BaseException | None = None,
-                 places: list[list[int]] | None = None) -> None:
+    def _planned(self, entry: _Split, batches: list[list[int]] | None, places: list[list[int]] | None = None,
+                 error: BaseException | None = None) -> None:
         """A split's indices are known: its batches may be produced."""
         with self._cond:
             split = entry.split
@@ -592,4 +555,4 @@ class Scheduler:
             runner.close()
         if self._thread.is_alive():
             self._thread.join()
-        self._planner.shutdown(wait=False, cancel_futures=True)  # a long draw ends by itself
+        self._planner.close()
