@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import signal
@@ -371,7 +372,12 @@ def embedded(processes: int, auth_token: str | None, start_method: str | None = 
         if shared is None or shared.failed:
             if shared is not None:
                 shared.close()
-            shared = _embedded[key] = _Shared(key, fork and can_fork())
+            forkable = fork and can_fork()
+            if fork and not forkable:
+                logging.getLogger("dpex.launch").info(
+                    "gRPC runs threads in this process: the embedded cluster's worker is spawned, not forked "
+                    "(its first batch waits for a new interpreter to import torch)")
+            shared = _embedded[key] = _Shared(key, forkable)
         shared.users += 1
         if shared.idle is not None:
             shared.idle.cancel()
