@@ -28,6 +28,7 @@ from typing import Any, Coroutine
 import grpc
 
 from dpex.config import DispatcherConfig
+from dpex.dispatcher.core import DispatcherCore
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.auth import server_credentials
@@ -86,7 +87,8 @@ class DispatcherServer:
 
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
-        self.service = DispatcherService(config)
+        self.core = DispatcherCore(config)
+        self.service = DispatcherService(self.core)
         self._closed = False
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dpex-rpc-loop", daemon=True)
@@ -97,7 +99,7 @@ class DispatcherServer:
         try:
             self.port = self._run(self._start(config))
             self.metrics = (MetricsServer(config.host, config.metrics_port,
-                                          lambda: dispatcher_metrics(self.service.status()))
+                                          lambda: dispatcher_metrics(self.core.status()))
                             if config.metrics_port is not None else None)
         except BaseException:
             self.close(0)
@@ -147,7 +149,7 @@ class DispatcherServer:
             self._run(health.enter_graceful_shutdown())  # probes see NOT_SERVING from here on
         if self.metrics is not None:
             self.metrics.close()
-        self.service.close()  # wakes the long polls, which answer at once
+        self.core.close()  # wakes the long polls, which answer at once
         if self._servers:
             self._run(self._stop(grace_s))
             self._pool.shutdown(wait=False)

@@ -76,7 +76,7 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
 
     server = DispatcherServer(DispatcherConfig(host="127.0.0.1", port=0, work_dir=str(tmp_path),
                                                heartbeat_interval_s=0.2))
-    store = server.service._store
+    store = server.core.store
     gate = threading.Event()
     real = store.journal.sync
     store.journal.sync = lambda: (gate.wait(), real())

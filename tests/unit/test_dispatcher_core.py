@@ -1,0 +1,120 @@
+"""dpex.dispatcher.core in process, without gRPC or daemons: workers
+register and take splits, trainers plan and sync, conflicts are refused,
+silence is noticed on a fake clock, and a restart recovers from the journal."""
+import asyncio
+
+import pytest
+
+from dpex.config import DispatcherConfig
+from dpex.dispatcher.core import DispatcherCore
+from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.proto import dispatcher_pb2 as dpb
+
+LOCAL = "ipv4:127.0.0.1:40000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def make(tmp_path):
+    cores = []
+
+    def make(clock=None, **kw):
+        kw = {"port": 0, "heartbeat_interval_s": 0.05, "heartbeat_timeout_s": 5.0, "split_size_batches": 2, **kw}
+        core = DispatcherCore(DispatcherConfig(**kw), **({"clock": clock} if clock else {}))
+        cores.append(core)
+        return core
+    yield make
+    for core in cores:
+        core.close()
+
+
+def job(core, name="", consumers=1):
+    return core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
+        name=name, dataset=b"spec", num_consumers=consumers, batch_size=4)), LOCAL).job_id
+
+
+def plan(core, job_id, num_batches, consumer=0, epoch=0, client=1):
+    request = dpb.SubmitPlanRequest(job_id=job_id, consumer_index=consumer, epoch=epoch, base_seed=3,
+                                    client_id=client, batches=[dpb.IndexBatch(indices=[i]) for i in range(num_batches)])
+    return core.submit_plan(request, LOCAL)
+
+
+def heartbeat(core, worker_id, want=4, held=()):
+    return asyncio.run(core.worker_heartbeat(dpb.WorkerHeartbeatRequest(
+        worker_id=worker_id, want_splits=want, held_split_ids=held), LOCAL))
+
+
+def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_learns_their_owners(make):
+    core = make()
+    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:7071"), LOCAL).worker_id
+    job_id = job(core)
+    assert plan(core, job_id, 5).num_batches == 5
+    splits = heartbeat(core, worker).splits
+    assert [(s.first_seq, s.num_batches) for s in splits] == [(0, 2), (2, 2), (4, 1)]
+    assert [list(b.indices) for b in splits[1].batches] == [[2], [3]]
+    sync = asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1), LOCAL))
+    assert {(o.first_seq, o.worker_address) for o in sync.owners} == {(0, "10.0.0.2:7071"), (2, "10.0.0.2:7071"),
+                                                                       (4, "10.0.0.2:7071")}
+    status = core.status()
+    assert status.jobs[0].batches_planned == 5 and status.workers[0].splits_held == 3
+
+
+def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make):
+    core = make()
+    with pytest.raises(DpexConfigError, match="HOST:PORT"):
+        core.register_worker(dpb.RegisterWorkerRequest(address="nowhere"), LOCAL)
+    with pytest.raises(DpexAuthError, match="loopback"):
+        core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), "ipv4:10.0.0.9:5000")
+    with pytest.raises(DpexNotFoundError, match="unknown worker"):
+        heartbeat(core, "w-nobody")
+    with pytest.raises(DpexNotFoundError, match="unknown job 99"):
+        plan(core, 99, 1)
+    named = job(core, "shared", consumers=2)
+    assert job(core, "shared", consumers=2) == named
+    with pytest.raises(DpexConflictError, match="num_consumers"):
+        job(core, "shared", consumers=3)
+    plan(core, named, 4, consumer=0, client=1)
+    with pytest.raises(DpexConfigError, match="every consumer must get the same number of batches"):
+        plan(core, named, 3, consumer=1, client=2)
+    with pytest.raises(DpexConflictError, match="in use by another loader"):
+        plan(core, named, 4, consumer=0, client=7)  # another loader on a busy consumer
+
+
+def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(make):
+    clock = Clock()
+    core = make(clock)
+    a = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    b = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.3:1"), LOCAL).worker_id
+    plan(core, job(core), 4)
+    taken = [s.split_id for s in heartbeat(core, a).splits]
+    assert len(taken) == 2
+    clock.now += 4
+    heartbeat(core, b, want=0)
+    core.reap()
+    assert [w.state for w in core.status().workers] == ["alive", "alive"]
+    clock.now += 2  # a: 6 s silent, past its 5 s timeout; b: 2 s
+    core.reap()
+    assert {w.worker_id: w.state for w in core.status().workers} == {a: "lost", b: "alive"}
+    assert sorted(s.split_id for s in heartbeat(core, b).splits) == sorted(taken)
+
+
+def test_a_restarted_dispatcher_recovers_workers_jobs_and_plans_from_its_journal(make, tmp_path):
+    core = make(work_dir=str(tmp_path))
+    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    job_id = job(core, "kept")
+    plan(core, job_id, 6)
+    held = [s.split_id for s in heartbeat(core, worker).splits]
+    core.store.settle(core.store.appended)
+    core.close()
+    again = make(work_dir=str(tmp_path))
+    assert job(again, "kept") == job_id
+    assert plan(again, job_id, 6).num_batches == 6  # the same plan again: a reconnect, nothing changes
+    assert heartbeat(again, worker, held=held).splits == []  # it holds what it held
+    assert again.status().jobs[0].splits_assigned == 3
