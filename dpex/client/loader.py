@@ -156,6 +156,9 @@ class _Resources:
             self.cluster.close()
 
 
+_O = LoaderOptions  # its fields' defaults are the loader's
+
+
 class RemoteDataLoader:
     """Batches produced by Dpex workers, equal to what torch's DataLoader yields.
 
@@ -209,17 +212,18 @@ class RemoteDataLoader:
     release); ``compact_plans=False``, or any other sampler, sends every index.
     """
 
-    def __init__(self, address: str | None = None, dataset: Any = None, batch_size: int | None = 1,
-                 shuffle: bool = False, seed: int | None = None, drop_last: bool = False,
+    def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
+                 shuffle: bool = False, seed: int | None = None, drop_last: bool = _O.drop_last,
                  sampler: Any = None, batch_sampler: Any = None,
                  collate_fn: Callable[[list], Any] | None = None, num_consumers: int | None = None,
-                 consumer_index: int | None = None, job_name: str | None = None, ordered: bool = True,
-                 timeout: float | None = None, *, generator: Any = None, window: int | None = None,
-                 worker_init_fn: Callable[[int], None] | None = None, persistent_workers: bool = False,
-                 pin_memory: bool = False, num_workers: int = 1, processes: int | None = None,
+                 consumer_index: int | None = None, job_name: str | None = _O.job_name, ordered: bool = _O.ordered,
+                 timeout: float | None = _O.timeout_s, *, generator: Any = None, window: int | None = _O.window,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 persistent_workers: bool = _O.persistent_workers, pin_memory: bool = _O.pin_memory,
+                 num_workers: int = _O.num_workers, processes: int | None = _O.processes,
                  auth_token: str | None = None, tls_ca: str | None = None,
-                 connect_timeout: float = 30.0, shared_memory: bool = True,
-                 compression: str | None = None, pin_memory_device: str = "", shard: bool = True,
+                 connect_timeout: float = _O.connect_timeout_s, shared_memory: bool = _O.shared_memory,
+                 compression: str | None = None, pin_memory_device: str = _O.pin_memory_device, shard: bool = True,
                  compact_plans: bool = True, multiprocessing_context: Any = None,
                  reproducible: bool = True) -> None:
         if dataset is None:
@@ -242,7 +246,14 @@ class RemoteDataLoader:
             _check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
                        worker_init_fn)
+        # From here on the checked options: LoaderOptions is the one source of the loader's settings.
         num_consumers, consumer_index = opts.num_consumers, opts.consumer_index
+        batch_size, drop_last, job_name, ordered, timeout = (opts.batch_size, opts.drop_last, opts.job_name,
+                                                             opts.ordered, opts.timeout_s)
+        window, persistent_workers, num_workers, processes = (opts.window, opts.persistent_workers, opts.num_workers,
+                                                              opts.processes)
+        pin_memory, pin_memory_device, connect_timeout, shared_memory = (
+            opts.pin_memory, opts.pin_memory_device, opts.connect_timeout_s, opts.shared_memory)
         self._instance = None if isinstance(dataset, DatasetSpec) else dataset
         spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
         self.num_consumers, self.consumer_index = num_consumers, consumer_index
