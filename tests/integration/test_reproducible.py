@@ -75,6 +75,10 @@ def test_one_process_and_six_processes_on_three_workers_make_the_same_batches(on
     assert epochs(many.address, reproducible=False)[0] != epochs(one.address, reproducible=False)[0]
 
 
+def test_the_embedded_cluster_makes_the_same_batches(one):
+    assert epochs(None, processes=2)[0] == epochs(one.address)[0]
+
+
 def test_a_worker_killed_mid_epoch_changes_no_draw(one):
     reference, _ = epochs(one.address)
     with test_cluster(num_workers=2, processes=2, heartbeat_timeout_s=60.0) as c:
