@@ -113,6 +113,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     # The trainer's objects are never collected here: none of its finalizers run
     # in this copy (it would close the trainer's things), and its pages stay shared.
     gc.freeze()
+    _forget_trainers_forkserver()
     for sig in signal.valid_signals():  # the trainer's handlers are not ours
         if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
             signal.signal(sig, signal.SIG_DFL)
@@ -151,6 +152,17 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
         raise
     _watch(trainer)
     serve_until_signalled(server, ready)
+
+
+def _forget_trainers_forkserver() -> None:
+    """A forkserver the trainer started is not this process's child: its
+    streams' own is started when they need it (multiprocessing would wait
+    for the trainer's and fail)."""
+    import multiprocessing.forkserver as forkserver
+    server = forkserver._forkserver
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    server._inherited_fds = None
+    server._lock = threading.Lock()
 
 
 def _read_address(fd: int) -> str:

@@ -1,6 +1,7 @@
 """IterableDataset streams: stream k of N runs in a process of its own, as
 torch's worker k does (get_worker_info() says k of N), iterates the dataset,
-batches, collates and encodes; batch j is seq ``j * N + k``.
+batches, collates and encodes; batch j is seq ``j * N + k``. Stream
+processes are forked from the daemon's forkserver, which has torch imported.
 
 The process sends one frame per credit the daemon grants over a pipe, so a
 stream never runs more than ``buffer_batches`` ahead of the trainer.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import threading
 from typing import Any, Callable, NamedTuple
@@ -111,6 +113,26 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
     send(_meta(split, j, end_of_stream=True).SerializeToString())
 
 
+_context: Any = None
+
+
+def _stream_context(temp_dir: str) -> Any:
+    """Where stream processes come from: forked from this daemon's forkserver,
+    which imported torch once (a stream is a new process every epoch, as
+    torch's workers are without persistent_workers; spawning each would
+    import torch again, a second and more). Not forked from the daemon
+    itself: it runs gRPC threads. The forkserver's socket goes in
+    ``temp_dir``, the daemon's own directory, which a later worker removes
+    if this one is killed (multiprocessing's own would stay behind)."""
+    global _context
+    if _context is None:
+        multiprocessing.current_process()._config.setdefault("tempdir", temp_dir)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "dpex.worker.stream"])
+        _context = context
+    return _context
+
+
 class StreamRunner:
     """The daemon's side of one stream: grants credits, holds what arrived,
     answers requests by seq; frames below the first request are skipped (a
@@ -128,7 +150,7 @@ class StreamRunner:
         self._granted = self._received = split.stream_next  # batches before it were delivered
         self._floor: int | None = None
         self._closed = False
-        context = multiprocessing.get_context("spawn")
+        context = _stream_context(os.path.dirname(job_path))
         self._conn, child = context.Pipe()
         self._process = context.Process(target=run_stream, args=(self._split, job_path, worker_address, child),
                                         name=f"dpex-stream-{split.first_seq}")

@@ -159,3 +159,19 @@ def test_a_forked_batch_process_that_dies_is_reported_and_the_pool_starts_again(
     assert "is killed by signal: Segmentation fault. It was making this batch, reading dataset[5]" in got["error"]
     assert got["again"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert got["kinds"]["forked"] == 1 and got["kinds"]["spawned"] >= 1  # the worker, its new process
+
+
+def test_an_iterable_dataset_on_a_forked_worker_of_a_trainer_that_ran_a_forkserver():
+    """Streams are forked from the worker's own forkserver, not the trainer's (which the fork copied)."""
+    got = run("""
+        from dpex.testing.datasets import AugmentedStream
+        def epoch(loader):
+            return [[b["i"].tolist(), [round(v, 12) for v in b["x"].flatten().tolist()]] for b in loader]
+        make = lambda cls, **kw: cls(AugmentedStream(n=12), batch_size=2, num_workers=2,
+                                     generator=torch.Generator().manual_seed(4), **kw)
+        want = epoch(make(DataLoader, multiprocessing_context="forkserver"))
+        print(json.dumps(dict(want=want, got=epoch(make(dpex.DpexDataLoader, distribute_mode=True)),
+                              kinds=kinds())))
+    """)
+    assert got["got"] == got["want"] and len(got["want"]) == 6  # torch's workers are the oracle for the draws
+    assert got["kinds"]["forked"] == 3  # the worker and its batch processes; its forkserver is spawned
