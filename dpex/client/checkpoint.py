@@ -139,8 +139,7 @@ class EpochState:
                 "sampler": blob(self.sampler.SerializeToString()) if self.sampler is not None else None,
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
                 "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
-                "places": [list(b.places) for b in self.batches] if explicit and self.batches and
-                self.batches[0].places else None,
+                "places": self.place_batches() if explicit else None,
                 "reshard": self.reshard, "num_streams": self.num_streams,
                 "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()],
                 "stream_states": {k: (j, blob(state)) for k, (j, state) in self.progress.stream_states.items()}}

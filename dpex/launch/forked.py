@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 # Threads that gRPC's core starts at its first channel or server (their
 # names, cut to 15 characters by the kernel).

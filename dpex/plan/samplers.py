@@ -132,14 +132,22 @@ def draws_order(spec: Spec) -> bool:
     return spec.kind == Spec.RANDOM or (spec.kind == Spec.DISTRIBUTED and spec.shuffle)
 
 
-def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
-    """Index batches ``first`` .. ``first + count - 1`` of the described epoch."""
-    check_version(spec)
+def _span(spec: Spec, first: int, count: int) -> tuple[int, int]:
+    """The sampler positions ``start`` .. ``stop - 1`` that batches ``first``
+    .. ``first + count - 1`` take (BatchSampler's cut, its drop_last)."""
     total = num_samples(spec)
     size = spec.batch_size
     start, stop = first * size, min(total, (first + count) * size)
     if spec.drop_last:
         stop = min(stop, (total // size) * size)
+    return start, stop
+
+
+def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
+    """Index batches ``first`` .. ``first + count - 1`` of the described epoch."""
+    check_version(spec)
+    size = spec.batch_size
+    start, stop = _span(spec, first, count)
     if start >= stop:
         return []
     if spec.kind == Spec.SEQUENTIAL:
@@ -159,11 +167,8 @@ def places(spec: Spec, first: int, count: int) -> list[list[int]]:
     and ShuffleSampler's padded positions (``rank + j * num_replicas``, the
     same for a sample whatever the number of ranks), else
     ``place_offset + j * place_stride`` for the consumer's j-th sample."""
-    total = num_samples(spec)
     size = spec.batch_size
-    start, stop = first * size, min(total, (first + count) * size)
-    if spec.drop_last:
-        stop = min(stop, (total // size) * size)
+    start, stop = _span(spec, first, count)
     if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE):
         offset, stride = spec.rank, spec.num_replicas
     else:

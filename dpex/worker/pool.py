@@ -37,7 +37,7 @@ class BatchPool:
         self._processes = processes
         self._handoff_min_bytes = handoff_min_bytes
         # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
-        self._address = multiprocessing.get_context("fork" if fork else "spawn").Array("c", 256, lock=False)
+        self._address = multiprocessing.RawArray("c", 256)
         self.set_address(worker_address)
         self._fork = fork
         self._lock = threading.Lock()

@@ -58,7 +58,7 @@ class _Job(NamedTuple):
 class _Context(NamedTuple):
     """What torch gives one DataLoader worker: its WorkerInfo and RNG streams."""
     info: Any
-    rng: list  # [python random state, torch state, numpy state], saved on switch
+    rng: list  # seeding.global_states() (random, torch, numpy), saved on switch
 
 
 _jobs: OrderedDict[int, _Job] = OrderedDict()
@@ -133,23 +133,17 @@ def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
     through torch's seed sequence), WorkerInfo, then ``worker_init_fn(id)``.
     A process serving several jobs keeps each one's RNG streams apart."""
     global _current
-    import random
-
-    import numpy as np
-    import torch
     from torch.utils.data._utils import worker as torch_worker
     key = (job_id,) if job.persistent else (job_id, epoch)
     if key == _current:
         return
     if _current in _contexts:
-        _contexts[_current].rng[:] = [random.getstate(), torch.get_rng_state(), np.random.get_state()]
+        _contexts[_current].rng[:] = seeding.global_states()
     context = _contexts.get(key)
     _current = key
     if context is not None:
         _contexts.move_to_end(key)
-        random.setstate(context.rng[0])
-        torch.set_rng_state(context.rng[1])
-        np.random.set_state(context.rng[2])
+        seeding.restore_global_states(context.rng)
         torch_worker._worker_info = context.info
         return
     _contexts[key] = _Context(become_worker(job, base_seed, _child_index, _num_children), [])
