@@ -211,6 +211,23 @@ class Counting(torch.utils.data.IterableDataset):
         return self.n
 
 
+class GatedCounting(Counting):
+    """Counting that waits until the file ``path`` exists before each item:
+    a stream that makes nothing until a test lets it."""
+
+    def __init__(self, n: int, path: str) -> None:
+        super().__init__(n)
+        self.path = path
+
+    def __iter__(self):
+        import os
+        import time
+        for item in super().__iter__():
+            while not os.path.exists(self.path):
+                time.sleep(0.005)
+            yield item
+
+
 class Uneven(torch.utils.data.IterableDataset):
     """Stream k of N yields ``per_stream * (k + 1)`` samples: streams end one after another."""
 

@@ -34,8 +34,14 @@ class Planner(Generic[T]):
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dpex-planner")
 
     def plan(self, item: T) -> None:
-        """Computes the item's split in the background."""
-        spec = self._split_of(item).sampler
+        """Computes the item's split in the background; a split that carries
+        its index batches is planned at once."""
+        split = self._split_of(item)
+        if not split.HasField("sampler"):
+            self._planned(item, [list(b.indices) for b in split.batches], [list(b.places) for b in split.batches],
+                          None)
+            return
+        spec = split.sampler
         if not samplers.draws_order(spec):
             self._threads.submit(self._plan, item)
             return

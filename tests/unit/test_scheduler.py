@@ -42,6 +42,11 @@ def split(split_id=1, first=0, n=20, job_id=9):
                      batches=[dpb.IndexBatch(indices=[2 * i, 2 * i + 1]) for i in range(first, first + n)])
 
 
+def held(s, job_id=9):
+    """(batches, bytes) the job's consumer 0 holds ready."""
+    return s.holdings().get((job_id, 0), (0, 0))
+
+
 def key(seq, job_id=9):
     return Key(epoch=0, seq=seq, consumer_index=0, job_id=job_id)
 
@@ -126,17 +131,17 @@ def test_a_newcomer_gets_its_share_of_memory_another_consumer_filled(pool, tmp_p
     try:  # each consumer has its own depth: both hold 4 while memory suffices
         s.add_split(split(split_id=1, job_id=9))
         s.add_split(split(split_id=2, job_id=10))
-        wait_until(lambda: s.held_by(9, 0)[0] == 4 and s.held_by(10, 0)[0] == 4, what="two full depths")
-        size = s.held_by(9, 0)[1] // 4
+        wait_until(lambda: held(s, 9)[0] == 4 and held(s, 10)[0] == 4, what="two full depths")
+        size = held(s, 9)[1] // 4
     finally:
         s.close()
     s = scheduler(4 * size + size // 2)  # memory for 4 such batches
     try:
         s.add_split(split(split_id=1, job_id=9))
-        wait_until(lambda: s.held_by(9, 0)[0] == 4, what="job 9 filling the memory")
+        wait_until(lambda: held(s, 9)[0] == 4, what="job 9 filling the memory")
         s.add_split(split(split_id=2, job_id=10))
-        wait_until(lambda: s.held_by(10, 0)[0] == 2, what="job 10's share")
-        assert s.held_by(9, 0)[0] == 2 and s.depth() == (4, 0)
+        wait_until(lambda: held(s, 10)[0] == 2, what="job 10's share")
+        assert held(s, 9)[0] == 2 and s.depth() == (4, 0)
         got = []
         s.request(key(3, job_id=9), got.append)  # an evicted batch, asked for: made again
         wait_until(lambda: got, what="evicted batch 3")
@@ -152,7 +157,7 @@ def test_a_consumer_whose_streams_closed_holds_nothing(scheduler):
     scheduler.add_split(split())
     wait_until(lambda: got and scheduler.depth() == (BUFFER, 0), what="a full buffer")
     scheduler.cancel(got.append)  # the stream closed: the trainer left
-    assert scheduler.depth()[0] == 0 and scheduler.held_by(9, 0) == (0, 0)
+    assert scheduler.depth()[0] == 0 and held(scheduler, 9) == (0, 0)
     assert scheduler.free_capacity(4) == (4, [(9, 0)])  # an idle consumer's split keeps nothing out
     scheduler.request(key(5), got.append)   # it came back: produced on request, then ahead again
     wait_until(lambda: len(got) == 2 and scheduler.depth()[0] == BUFFER, what="production again")

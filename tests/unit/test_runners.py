@@ -1,0 +1,122 @@
+"""The split runners' one contract, run against both runners (a map split
+made by the pool, an IterableDataset stream made in its own process), each
+behind the scheduler as the worker uses them: in the style of torchdata's
+shared save/load test helper, one set of tests, one fixture per kind."""
+from dataclasses import dataclass
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+import dpex
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.testing import wait_until
+from dpex.wire import decode, parse_frame
+from dpex.worker.pool import BatchPool
+from dpex.worker.runners import Key, MapRunner, StreamRunner
+from dpex.worker.scheduler import Scheduler
+
+N = 6  # batches in the split
+
+
+@dataclass
+class Case:
+    scheduler: Scheduler
+    split: dpb.Split
+    gate: Path            # the dataset makes nothing until it exists
+    runner: type
+    pooled_batches: int   # what the split keeps of the worker's capacity while unmade
+
+    def key(self, seq: int) -> Key:
+        return Key(epoch=0, seq=seq, consumer_index=0, job_id=self.split.job_id)
+
+    def values(self, frame) -> list[int]:
+        meta, payload = parse_frame(frame)
+        assert not meta.error.message and not meta.not_assigned and not meta.end_of_stream, meta
+        batch = decode(payload)
+        return (batch["y"] if "y" in batch else batch["i"]).tolist()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = BatchPool(1, "test-worker")
+    yield p
+    p.close()
+
+
+def job_file(tmp_path: Path, dataset: str, **kwargs) -> str:
+    path = tmp_path / "job.pb"
+    spec = dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", **kwargs)
+    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(spec), num_consumers=1, batch_size=2).SerializeToString())
+    return str(path)
+
+
+@pytest.fixture(params=["map", "stream"])
+def case(request, pool, tmp_path):
+    gate = tmp_path / "gate"
+    if request.param == "map":  # batch i is samples 2i, 2i+1
+        path = job_file(tmp_path, "Gated", n=2 * N, path=str(gate))
+        split = dpb.Split(split_id=1, job_id=9, consumer_index=0, epoch=0, first_seq=0,
+                          batches=[dpb.IndexBatch(indices=[2 * i, 2 * i + 1]) for i in range(N)])
+        kind, pooled = MapRunner, N
+    else:  # stream 0 of 1: batch j is items 2j, 2j+1
+        path = job_file(tmp_path, "GatedCounting", n=2 * N, path=str(gate))
+        split = dpb.Split(split_id=1, job_id=9, consumer_index=0, epoch=0, first_seq=0, num_streams=1)
+        kind, pooled = StreamRunner, 0
+    s = Scheduler(pool, lambda job_id: path, buffer_batches=8, max_inflight=2, worker_address="test-worker")
+    yield Case(s, split, gate, kind, pooled)
+    gate.touch()
+    s.close()
+
+
+def test_each_batch_asked_for_is_answered_with_that_batch(case):
+    case.scheduler.add_split(case.split)
+    assert isinstance(case.scheduler._held.get(1), case.runner)
+    got: dict[int, list] = {}
+    for seq in reversed(range(N)):  # asked out of order: each gets its own
+        case.scheduler.request(case.key(seq), lambda frame, seq=seq: got.setdefault(seq, case.values(frame)))
+    case.gate.touch()
+    wait_until(lambda: len(got) == N, what="every batch")
+    assert got == {j: [2 * j, 2 * j + 1] for j in range(N)}
+
+
+def test_a_request_that_came_before_its_split_is_answered_once_it_comes(case):
+    got = []
+    case.scheduler.request(case.key(1), got.append)
+    case.gate.touch()
+    case.scheduler.add_split(case.split)
+    wait_until(lambda: got, what="batch 1")
+    assert case.values(got[0]) == [2, 3]
+
+
+def test_a_released_split_tells_its_waiting_requests_it_is_not_here(case):
+    case.scheduler.add_split(case.split)
+    got = []
+    case.scheduler.request(case.key(2), got.append)
+    case.scheduler.release([1])
+    wait_until(lambda: got, what="the answer to a released split's request")
+    meta, _ = parse_frame(got[0])
+    assert meta.not_assigned and meta.seq == 2
+    assert case.scheduler.held_split_ids() == []
+
+
+def test_a_cancelled_request_gets_nothing(case):
+    case.scheduler.add_split(case.split)
+    gone, kept = [], []
+    case.scheduler.request(case.key(0), gone.append)
+    case.scheduler.request(case.key(0), kept.append)
+    case.scheduler.cancel(gone.append)
+    case.gate.touch()
+    wait_until(lambda: kept, what="batch 0 for the request that stayed")
+    case.scheduler.request(case.key(1), kept.append)  # and the batch after: the one cancelled got nothing meanwhile
+    wait_until(lambda: len(kept) == 2, what="batch 1")
+    assert gone == [] and case.values(kept[0]) == [0, 1]
+
+
+def test_what_a_held_split_keeps_of_the_pools_capacity(case):
+    case.scheduler.add_split(case.split)
+    # A map split with batches left counts as one busy split; a stream runs in
+    # its own process and keeps none. Its consumer is not saturated yet either way.
+    expected = 3 if case.pooled_batches else 4
+    assert case.scheduler.free_capacity(4, record=False) == (expected, [])
+    assert case.scheduler._held.get(1).unproduced() == case.pooled_batches
