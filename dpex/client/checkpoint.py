@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpex.errors import DpexConfigError
-from dpex.plan.seq import stream_of, stream_seq, stream_seq_exists, streams_limit
+from dpex.plan.seq import Watermark, stream_of, stream_seq
 from dpex.proto import dispatcher_pb2 as dpb
 
 FORMAT = "dpex.RemoteDataLoader"
@@ -33,10 +33,10 @@ VERSION = 2
 
 
 class Progress:
-    """The batches (seqs) of an epoch handed to the training loop: every seq
-    below ``low``, and those above it in ``ahead`` (when batches come unordered).
-    With ``num_streams`` (an IterableDataset), batch j of stream k is seq
-    j*N+k, and a stream's seqs past its end (``ends``) count as passed."""
+    """The batches (seqs) of an epoch handed to the training loop, as a
+    watermark (dpex.plan.seq.Watermark). With ``num_streams`` (an
+    IterableDataset), batch j of stream k is seq j*N+k, and a stream's seqs
+    past its end (``ends``) count as passed."""
 
     def __init__(self, done: list[tuple[int, int]] = (), num_streams: int = 0,
                  ends: dict[int, int] | None = None,
@@ -49,26 +49,15 @@ class Progress:
         self.stream_states: dict[int, tuple[int, bytes]] = dict(stream_states or {})
         self._offered: dict[int, bytes] = {}  # seq -> state, received, not given to the loop yet
         self._states: dict[int, bytes] = {}   # seq -> state, given, past a gap in its stream
-        self.low = 0
-        self.ahead: set[int] = set()
+        self._given = Watermark(num_streams, self.ends, done=done)
         self._lock = threading.Lock()  # the fetcher learns ends in its thread; the loop adds seqs
-        for start, end in done:  # ascending, as ranges() gives them
-            if start <= self.low:
-                self.low = max(self.low, end)
-            else:
-                self.ahead.update(s for s in range(start, end) if self.exists(s))
-        self._settle()
 
     def exists(self, seq: int) -> bool:
-        return not self.num_streams or stream_seq_exists(seq, self.num_streams, self.ends)
+        return self._given.exists(seq)
 
     def add(self, seq: int) -> None:
         with self._lock:
-            if seq == self.low:
-                self.low += 1
-                self._settle()
-            elif seq > self.low:
-                self.ahead.add(seq)
+            self._given.mark(seq)
             state = self._offered.pop(seq, None)
             if state is not None:
                 self._states[seq] = state
@@ -79,12 +68,9 @@ class Progress:
         with self._lock:
             self._offered[seq] = state
 
-    def _given(self, seq: int) -> bool:
-        return (seq < self.low and self.exists(seq)) or seq in self.ahead
-
     def _advance_stream(self, k: int) -> None:
         j, state = self.stream_states.get(k, (0, b""))
-        while self._given(stream_seq(k, j, self.num_streams)) and stream_seq(k, j, self.num_streams) in self._states:
+        while self._given.passed(stream_seq(k, j, self.num_streams)) and stream_seq(k, j, self.num_streams) in self._states:
             state = self._states.pop(stream_seq(k, j, self.num_streams))
             j += 1
         if state:
@@ -94,13 +80,7 @@ class Progress:
         """Stream ``stream`` has ``end`` batches: its later seqs never come."""
         with self._lock:
             self.ends[stream] = min(self.ends.get(stream, end), end)
-            self._settle()
-
-    def _settle(self) -> None:
-        limit = streams_limit(self.num_streams, self.ends) if self.num_streams else None
-        while (limit is None or self.low < limit) and (self.low in self.ahead or not self.exists(self.low)):
-            self.ahead.discard(self.low)
-            self.low += 1
+            self._given.settle()
 
     @property
     def count(self) -> int:
@@ -108,17 +88,11 @@ class Progress:
 
     def seqs(self) -> set[int]:
         with self._lock:
-            return {s for s in range(self.low) if self.exists(s)} | self.ahead
+            return self._given.seqs()
 
     def ranges(self) -> list[tuple[int, int]]:
         with self._lock:
-            out = [(0, self.low)] if self.low else []
-            for seq in sorted(self.ahead):
-                if out and out[-1][1] == seq:
-                    out[-1] = (out[-1][0], seq + 1)
-                else:
-                    out.append((seq, seq + 1))
-            return out
+            return self._given.ranges()
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Generic, TypeVar
 
 from dpex.client.checkpoint import Progress
-from dpex.plan.seq import stream_seq_exists, streams_limit
+from dpex.plan.seq import Watermark
 
 T = TypeVar("T")
 
@@ -26,20 +26,25 @@ class Ledger(Generic[T]):
         self.retry: set[int] = set()         # to ask again, of whoever owns it then
         self.received: dict[int, T] = {}     # seq -> item, not given to the loop yet
         self.resumed = progress.seqs()       # given before a checkpoint: not asked for
-        self.delivered = set(self.resumed)   # received once: later copies are duplicates
+        # Received once (or given before): later copies are duplicates. Shares the progress's stream ends.
+        self.delivered = Watermark(num_streams, progress.ends, None if num_streams else num_batches,
+                                   done=progress.ranges())
         self.yielded = len(self.resumed)
         self.cursor = 0                      # next seq never requested
         self.next = 0                        # next seq to yield (ordered)
-        self.low = 0                         # lowest seq not received yet
-        self._advance_low()
 
     # ---- the epoch's seqs -----------------------------------------------------
+    @property
+    def low(self) -> int:
+        """The lowest seq not received yet."""
+        return self.delivered.low
+
     def limit(self) -> int | None:
         """Seqs from here on do not exist; None while a stream may go on."""
-        return streams_limit(self.n, self.progress.ends) if self.n else self.num
+        return self.delivered.limit()
 
     def exists(self, seq: int) -> bool:
-        return stream_seq_exists(seq, self.n, self.progress.ends) if self.n else seq < self.num
+        return self.delivered.exists(seq)
 
     def total(self) -> int | None:
         """How many batches the epoch has; None while a stream may go on."""
@@ -56,7 +61,7 @@ class Ledger(Generic[T]):
         """The seqs not received yet (of a stream epoch: those asked for)."""
         if self.n:
             return sorted(set(self.requested) | self.retry)
-        return [s for s in range(self.num) if s not in self.delivered]
+        return [s for s in range(self.num) if not self.delivered.passed(s)]
 
     # ---- asking -----------------------------------------------------------------
     def asks(self, window: int, group: int, ordered: bool,
@@ -111,14 +116,13 @@ class Ledger(Generic[T]):
     # ---- receiving and yielding -------------------------------------------------
     def is_new(self, seq: int) -> bool:
         """Not received before (else a duplicate, e.g. re-sent after a reconnect) and of this epoch."""
-        return seq not in self.delivered and self.exists(seq)
+        return not self.delivered.passed(seq) and self.exists(seq)
 
     def receive(self, seq: int, item: T) -> None:
         self.requested.pop(seq, None)
         self.retry.discard(seq)
-        self.delivered.add(seq)
+        self.delivered.mark(seq)
         self.received[seq] = item
-        self._advance_low()
 
     def end_stream(self, stream: int, end: int) -> None:
         """Stream ``stream`` has ``end`` batches: its later seqs are not asked for."""
@@ -126,7 +130,7 @@ class Ledger(Generic[T]):
         for seq in [s for s in (*self.requested, *self.retry) if not self.exists(s)]:
             self.requested.pop(seq, None)
             self.retry.discard(seq)
-        self._advance_low()
+        self.delivered.settle()
 
     def pop_ready(self, ordered: bool) -> T | None:
         """The next received item to give to the loop, if it is here."""
@@ -144,8 +148,3 @@ class Ledger(Generic[T]):
         self.yielded += 1
         if ordered:
             self.next = seq + 1
-
-    def _advance_low(self) -> None:
-        limit = self.limit()
-        while (self.low in self.delivered or not self.exists(self.low)) and (limit is None or self.low < limit):
-            self.low += 1

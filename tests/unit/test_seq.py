@@ -31,6 +31,28 @@ def test_seqs_past_a_streams_end_do_not_exist_and_the_limit_follows_the_last_str
     assert seq.streams_limit(2, {0: 0, 1: 0}) == 0
 
 
+
+def test_a_watermark_passes_seqs_in_any_order_and_those_that_cannot_come():
+    w = seq.Watermark(num_batches=6)
+    for s in (2, 0, 4):
+        w.mark(s)
+    assert (w.low, w.ahead, w.ranges()) == (1, {2, 4}, [(0, 1), (2, 3), (4, 5)])
+    w.mark(1)
+    assert (w.low, w.ahead) == (3, {4}) and [s for s in range(8) if w.passed(s)] == [0, 1, 2, 4]
+    w.mark(3)
+    w.mark(5)
+    assert w.low == 6 == w.limit() and w.seqs() == set(range(6))
+    # Streams: seqs past a stream's end cannot come; the caller's ends dict is shared.
+    ends: dict[int, int] = {}
+    s = seq.Watermark(num_streams=2, ends=ends, done=[(0, 2), (3, 4)])
+    assert (s.low, s.seqs()) == (2, {0, 1, 3})
+    ends[0] = 1  # stream 0 had one batch: seqs 2 and 4 never come
+    s.settle()
+    assert (s.low, s.limit()) == (5, None) and not s.exists(4) and not s.passed(2)
+    ends[1] = 2  # nor seq 5: the last seq is 3
+    s.settle()
+    assert s.limit() == 4 and s.seqs() == {0, 1, 3} and s.ranges() == [(0, 5)]
+
 def test_a_plan_hashes_alike_when_sent_again_and_a_resumed_one_as_a_plan_of_its_own():
     batches = [dpb.IndexBatch(indices=[1, 2]), dpb.IndexBatch(indices=[3], places=[5])]
 
