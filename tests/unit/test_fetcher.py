@@ -1,0 +1,137 @@
+"""One epoch's iterator (dpex.client.fetcher) against real gRPC servers on
+loopback ports that play the dispatcher (owners, acks) and a worker (the
+Worker service over a scripted scheduler): batches come in plan order,
+user errors are raised at their batch and the epoch goes on (as torch's
+DataLoader), duplicates and a corrupt frame cost nothing, and a batch that
+never comes is a timeout naming it."""
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from dpex.client.fetcher import EpochFetcher
+from dpex.client.streams import StreamPool
+from dpex.errors import DpexTimeoutError
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import dispatcher_pb2_grpc as dgrpc
+from dpex.proto import worker_pb2 as wpb
+from dpex.testing import wait_until
+from dpex.wire import build_frame, encode_parts, frame_parts
+from dpex.worker.meter import Meter
+from dpex.worker.service import WorkerService
+
+N = 12
+
+
+class Dispatcher(dgrpc.DispatcherServicer):
+    """Names one worker the owner of the whole epoch; long-polls like the real one."""
+
+    def __init__(self) -> None:
+        self.worker = ""
+        self.acked: set[int] = set()
+        self._stop = threading.Event()
+
+    def SyncConsumer(self, request, context):
+        self.acked.update(request.delivered_seqs)
+        if request.owners_digest == b"1":
+            self._stop.wait(min(request.wait_s, 0.5))  # nothing new: the long poll runs out
+        return dpb.SyncConsumerResponse(owners=[dpb.SplitOwner(split_id=1, first_seq=0, num_batches=N,
+                                                               worker_id="w1", worker_address=self.worker)],
+                                        workers_alive=1, owners_digest=b"1")
+
+
+class Worker:
+    """The scheduler behind the Worker service: batch ``seq`` is {"seq": seq};
+    ``fail`` seqs are a ZeroDivisionError in __getitem__, ``twice`` are sent
+    twice, ``corrupt`` once corrupt then whole, ``never`` never come."""
+
+    def __init__(self) -> None:
+        self.meter = Meter(1)
+        self.fail, self.twice, self.corrupt, self.never = set(), set(), set(), set()
+
+    def request(self, key, sink) -> None:
+        meta = wpb.Batch(job_id=key.job_id, consumer_index=key.consumer_index, epoch=key.epoch, seq=key.seq)
+        if key.seq in self.never:
+            return
+        if key.seq in self.fail:
+            meta.error.CopyFrom(wpb.RemoteError(type="ZeroDivisionError", type_ref="builtins:ZeroDivisionError",
+                                                message="division by zero", stage="getitem", sample_index=key.seq))
+            sink(build_frame(meta))
+            return
+        frame = b"".join(frame_parts(meta, encode_parts({"seq": torch.tensor(key.seq)})))
+        if key.seq in self.corrupt:
+            self.corrupt.discard(key.seq)
+            sink(frame[:-3] + b"\xff\xff\xff")
+            return
+        for _ in range(2 if key.seq in self.twice else 1):
+            sink(frame)
+
+    def cancel(self, sink) -> None:
+        pass
+
+
+@pytest.fixture
+def cluster():
+    dispatcher, worker = Dispatcher(), Worker()
+    servers = []
+    for add in (lambda s: dgrpc.add_DispatcherServicer_to_server(dispatcher, s),
+                lambda s: s.add_generic_rpc_handlers((WorkerService(
+                    worker, lambda job_id: b"", max_frame_bytes=1 << 20, worker_address="w",
+                    shared_memory=False).handler(),))):
+        server = grpc.server(futures.ThreadPoolExecutor(8))
+        add(server)
+        servers.append((server, f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
+        server.start()
+    dispatcher.worker = servers[1][1]
+    channel = grpc.insecure_channel(servers[0][1])
+    streams = StreamPool(shared_memory=False)
+
+    def epoch(**kwargs) -> EpochFetcher:
+        options = dict(stub=dgrpc.DispatcherStub(channel), target="the dispatcher", streams=streams, job_id=3,
+                       consumer_index=0, epoch=0, num_batches=N, window=4, ordered=True, timeout_s=30,
+                       retry_for_s=5)
+        return EpochFetcher(**{**options, **kwargs})
+    yield dispatcher, worker, epoch
+    dispatcher._stop.set()
+    streams.close()
+    channel.close()
+    for server, _ in servers:
+        server.stop(None)
+
+
+def test_an_epoch_comes_in_plan_order_and_every_batch_is_acked(cluster):
+    dispatcher, worker, epoch = cluster
+    worker.twice, worker.corrupt = {2, 7}, {5}
+    fetcher = epoch()
+    assert len(fetcher) == N
+    assert [b["seq"].item() for b in fetcher] == list(range(N))
+    assert fetcher.finished and fetcher.progress.count == N
+    wait_until(lambda: dispatcher.acked == set(range(N)), 10, "every batch acked")
+
+
+def test_a_user_error_is_raised_at_its_batch_and_the_epoch_goes_on(cluster):
+    _, worker, epoch = cluster
+    worker.fail = {4}
+    fetcher = epoch(ordered=False)
+    got, errors = [], []
+    while True:
+        try:
+            got.append(next(fetcher)["seq"].item())
+        except ZeroDivisionError as e:
+            errors.append(str(e))
+        except StopIteration:
+            break
+    assert sorted(got) == [s for s in range(N) if s != 4] and len(errors) == 1
+    assert "division by zero" in errors[0]
+
+
+def test_a_batch_that_never_comes_is_a_timeout_that_names_it(cluster):
+    _, worker, epoch = cluster
+    worker.never = {6}
+    fetcher, got = epoch(timeout_s=1.5, ordered=False), []
+    with pytest.raises(DpexTimeoutError, match=r"no batch arrived for 1.5s; 1 batches missing \(seq 6\)"):
+        for batch in fetcher:
+            got.append(batch["seq"].item())
+    assert sorted(got) == [s for s in range(N) if s != 6]

@@ -1,0 +1,94 @@
+"""Inside a batch process (dpex.worker.runtime), run in this process: a task
+becomes one Batch frame as torch's worker makes a batch (torch is the
+oracle), errors name their stage and sample, and keyed draws depend on a
+sample's place alone."""
+import cloudpickle
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+from torch.utils.data._utils import worker as torch_worker
+
+import dpex
+from dpex import seeding
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import worker_pb2 as wpb
+from dpex.testing.datasets import Squares, WorkerProbe, record_worker_init
+from dpex.wire import decode, parse_frame
+from dpex.worker import runtime
+from dpex.worker.runtime import Task, produce
+
+
+@pytest.fixture(autouse=True)
+def a_batch_process():
+    """This process as a batch process for one test: its job cache, its
+    worker info and its global generators are put back afterwards."""
+    states, info = seeding.global_states(), torch_worker._worker_info
+    runtime._worker_address = "test-worker"
+    yield
+    runtime._jobs.clear()
+    runtime._contexts.clear()
+    runtime._current = None
+    runtime._worker_address = ""
+    torch_worker._worker_info = info
+    seeding.restore_global_states(states)
+
+
+def job_file(tmp_path, dataset: str, name: str = "job.pb", worker_init_fn=None, **kwargs) -> str:
+    path = tmp_path / name
+    job = dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", **kwargs)),
+                     num_consumers=1)
+    if worker_init_fn is not None:
+        job.worker_init_fn = cloudpickle.dumps(worker_init_fn)
+    path.write_bytes(job.SerializeToString())
+    return str(path)
+
+
+def batch_of(frame) -> tuple[wpb.Batch, object]:
+    meta, payload = parse_frame(frame)
+    return meta, (decode(payload) if not meta.error.type else None)
+
+
+def test_a_task_is_torchs_collated_batch_in_a_frame(tmp_path):
+    path = job_file(tmp_path, "Squares", n=20)
+    meta, batch = batch_of(produce(Task(7, path, 2, 3, 11, [5, 1, 19])))
+    assert (meta.job_id, meta.consumer_index, meta.epoch, meta.seq, meta.dataset_length) == (7, 2, 3, 11, 20)
+    expected = default_collate([Squares(20)[i] for i in (5, 1, 19)])
+    assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["y"], expected["y"])
+
+
+def test_a_task_sees_torchs_worker_api_as_torchs_worker_0_does(tmp_path):
+    path = job_file(tmp_path, "WorkerProbe", n=8, worker_init_fn=record_worker_init)
+    torch_batch = next(iter(DataLoader(WorkerProbe(8), batch_size=4, num_workers=1, worker_init_fn=record_worker_init,
+                                       generator=torch.Generator().manual_seed(5))))
+    base_seed = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(5)).item()
+    for seq in (0, 1):  # worker_init_fn once per epoch, as in torch's worker
+        _, batch = batch_of(produce(Task(1, path, 0, 0, seq, [0, 1, 2, 3], base_seed)))
+    for key in ("id", "num_workers", "seed", "init_calls", "torch_seed", "np_state"):
+        assert torch.equal(batch[key], torch_batch[key]), key
+
+
+def test_errors_name_their_stage_type_and_sample(tmp_path):
+    meta, _ = batch_of(produce(Task(1, job_file(tmp_path, "Faulty", n=20, bad=13), 0, 0, 0, [12, 13])))
+    assert (meta.error.type, meta.error.stage, meta.error.sample_index, meta.error.worker) == \
+        ("ZeroDivisionError", "getitem", 13, "test-worker")
+    meta, _ = batch_of(produce(Task(2, job_file(tmp_path, "BrokenInit", "broken.pb"), 0, 0, 0, [0])))
+    assert (meta.error.type, meta.error.stage) == ("FileNotFoundError", "build")
+    assert "no data at /nonexistent" in meta.error.message and "Traceback" in meta.error.traceback
+
+
+def test_keyed_draws_depend_on_a_samples_place_alone(tmp_path):
+    path = job_file(tmp_path, "Augmented", n=16)
+    _, together = batch_of(produce(Task(1, path, 0, 0, 0, [3, 4, 5], 99, places=[30, 40, 50])))
+    _, alone = batch_of(produce(Task(1, path, 0, 1, 7, [4], 99, places=[40])))  # another epoch, batch, process state
+    assert torch.equal(together["x"][1], alone["x"][0])
+    _, moved = batch_of(produce(Task(1, path, 0, 0, 1, [4], 99, places=[41])))
+    assert not torch.equal(moved["x"][0], alone["x"][0])
+
+
+def test_inspect_reports_length_kind_and_build_errors(tmp_path):
+    ok = wpb.InspectResponse.FromString(runtime.inspect(1, job_file(tmp_path, "Squares", n=42)))
+    assert (ok.length, ok.iterable, ok.HasField("error")) == (42, False, False)
+    stream = wpb.InspectResponse.FromString(runtime.inspect(2, job_file(tmp_path, "Counting", "c.pb", n=5)))
+    assert stream.iterable
+    broken = wpb.InspectResponse.FromString(runtime.inspect(3, job_file(tmp_path, "BrokenInit", "b.pb")))
+    assert broken.length == -1 and broken.error.type == "FileNotFoundError"

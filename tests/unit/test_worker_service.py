@@ -1,0 +1,113 @@
+"""The Worker gRPC service on a real loopback server, in front of a scripted
+scheduler: a Fetch stream's requests reach the scheduler and their frames
+come back; an oversize frame becomes an error frame; a closed stream is
+cancelled; big frames to another host go over the data port."""
+import queue
+import socket
+from concurrent import futures
+
+import grpc
+import pytest
+
+from dpex.proto import worker_pb2 as wpb
+from dpex.shm import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
+from dpex.testing import wait_until
+from dpex.wire import build_frame, parse_frame
+from dpex.worker.dataport import DataPort
+from dpex.worker.meter import Meter
+from dpex.worker.service import WorkerService
+
+LIMIT = 1 << 20
+
+
+class Scheduler:
+    """Answers each request at once with a frame whose payload is ``size(seq)`` bytes."""
+
+    def __init__(self) -> None:
+        self.meter = Meter(1)
+        self.requests: list[tuple] = []
+        self.cancelled: list = []
+        self.size = lambda seq: 10
+
+    def request(self, key, sink) -> None:
+        self.requests.append(tuple(key))
+        meta = wpb.Batch(job_id=key.job_id, consumer_index=key.consumer_index, epoch=key.epoch, seq=key.seq)
+        sink(build_frame(meta, b"p" * self.size(key.seq)))
+
+    def cancel(self, sink) -> None:
+        self.cancelled.append(sink)
+
+
+@pytest.fixture
+def worker():
+    scheduler, port = Scheduler(), DataPort("127.0.0.1")
+    service = WorkerService(scheduler, lambda job_id: wpb.InspectResponse(length=job_id * 10).SerializeToString(),
+                            max_frame_bytes=LIMIT, worker_address="test-worker", shared_memory=False,
+                            data_port=port)
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((service.handler(),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    yield scheduler, channel
+    channel.close()
+    server.stop(None)
+    port.close()
+
+
+def fetch(channel, requests, metadata=()):
+    method = channel.stream_stream("/dpex.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
+                                   response_deserializer=None)
+    return method(iter(requests), metadata=metadata)
+
+
+def test_each_seq_asked_for_is_answered_and_a_closed_stream_is_cancelled(worker):
+    scheduler, channel = worker
+    asks: queue.SimpleQueue = queue.SimpleQueue()
+    call = fetch(channel, iter(asks.get, None))
+    asks.put(wpb.FetchRequest(job_id=3, consumer_index=1, epoch=2, seq=0, more_seqs=[1, 5]))
+    got = [parse_frame(next(call))[0].seq for _ in range(3)]
+    assert got == [0, 1, 5] and scheduler.requests == [(2, 0, 1, 3), (2, 1, 1, 3), (2, 5, 1, 3)]
+    assert scheduler.meter.fetch_streams == 1
+    call.cancel()  # the trainer left
+    wait_until(lambda: len(scheduler.cancelled) == 1 and scheduler.meter.fetch_streams == 0, 10, "the cancel")
+    assert scheduler.meter.batches_sent == 3
+
+
+def test_a_frame_over_the_limit_is_sent_as_an_error_that_says_so(worker):
+    scheduler, channel = worker
+    scheduler.size = lambda seq: LIMIT + 1
+    meta, _ = parse_frame(next(fetch(channel, [wpb.FetchRequest(job_id=1, seq=4)])))
+    assert meta.seq == 4 and meta.error.type == "DpexWireError" and meta.error.stage == "send"
+    assert "over this worker's message limit of 1.0 MiB" in meta.error.message
+
+
+def test_inspect_is_forwarded(worker):
+    _, channel = worker
+    inspect = channel.unary_unary("/dpex.v1.Worker/Inspect", request_serializer=wpb.InspectRequest.SerializeToString,
+                                  response_deserializer=wpb.InspectResponse.FromString)
+    assert inspect(wpb.InspectRequest(job_id=4), timeout=10).length == 40
+
+
+def test_big_frames_to_another_host_go_over_the_data_port_in_order(worker):
+    scheduler, channel = worker
+    scheduler.size = lambda seq: (200 << 10) if seq % 2 else 100  # the small ones stay on gRPC
+    asks: queue.SimpleQueue = queue.SimpleQueue()
+    call = fetch(channel, iter(asks.get, None), metadata=((REQUEST_METADATA, "1"),))
+    answered = dict(call.initial_metadata())
+    data = socket.create_connection(("127.0.0.1", int(answered[PORT_METADATA])))
+    data.sendall(bytes.fromhex(answered[KEY_METADATA]))
+    asks.put(wpb.FetchRequest(job_id=1, seq=0, more_seqs=[1, 2, 3]))
+    frames = []
+    for _ in range(4):
+        meta, payload = parse_frame(next(call))
+        if meta.data_size:  # a pointer: the frame follows on the data socket
+            buf = bytearray()
+            while len(buf) < meta.data_size:
+                buf += data.recv(meta.data_size - len(buf))
+            meta, payload = parse_frame(bytes(buf))
+        frames.append((meta.seq, len(payload)))
+    assert frames == [(0, 100), (1, 200 << 10), (2, 100), (3, 200 << 10)]
+    asks.put(None)
+    call.cancel()
+    data.close()
