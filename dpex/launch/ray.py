@@ -151,19 +151,21 @@ class HeadActor:
         self._workers: dict[str, tuple[Any, Any]] = {}  # node id -> (actor, its address() ref)
         self._ready: dict[str, str] = {}                # node id -> worker address
         self._failed: dict[str, tuple[float, str]] = {}  # node id -> (when, why)
+        self._passes = 0  # reconcile() passes done: each tries every alive node
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dpex-reconcile")
         self._thread.start()
 
     def endpoint(self, wait_s: float = 0.0) -> Endpoint:
         """The dispatcher and the workers serving; waits up to ``wait_s`` for
-        a worker on every alive node that can have one."""
+        a worker on every alive node that can have one (not when no node can)."""
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:
                 pending = set(self._workers) - set(self._ready)
                 ready = dict(self._ready)
-            if (not pending and ready) or time.monotonic() >= deadline or self._stop.is_set():
+                refused = bool(self._failed) and self._passes > 0  # every node was tried, and none has one
+            if (not pending and (ready or refused)) or time.monotonic() >= deadline or self._stop.is_set():
                 return Endpoint(self._dispatcher.daemon.address, self._token, ready)
             time.sleep(0.1)
 
@@ -197,6 +199,8 @@ class HeadActor:
             with self._lock:
                 self._workers[node_id] = (actor, actor.address.remote())
         self._collect()
+        with self._lock:
+            self._passes += 1
 
     def _collect(self) -> None:
         """Takes in the addresses of workers that started; replaces the dead."""
