@@ -87,10 +87,34 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
                               data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
                               data_paths=tuple(data_paths))
-        server = WorkerServer(config)
+        pool = forked_pool(config)
+        try:
+            server = WorkerServer(config, pool=pool)
+        except BaseException:
+            if pool is not None:  # its processes go too (closing twice is nothing)
+                pool.close()
+            raise
     except DpexError as e:
         fail(str(e))
     serve_until_signalled(server, ready_file)
+
+
+def forked_pool(config: WorkerConfig):
+    """The batch processes, forked now, before this daemon runs any thread,
+    from a process that has imported torch (which it needs anyway, to draw
+    torch's samplers): none of them imports torch again, as torch's
+    DataLoader forks its workers. None where forking is not safe here: the
+    server then spawns them."""
+    from dpex.launch.forked import can_fork
+    from dpex.worker.pool import BatchPool
+    from dpex.worker.server import check_code_source, check_data_paths
+    check_code_source(config)  # a worker that would refuse to start forks nothing
+    check_data_paths(config.data_paths)
+    if not can_fork():
+        return None
+    import torch  # noqa: F401 - what the forked processes inherit
+    return BatchPool(config.processes, shared_memory=config.shared_memory, handoff_min_bytes=config.shm_min_bytes,
+                     fork=True)
 
 
 if __name__ == "__main__":
