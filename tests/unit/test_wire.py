@@ -168,7 +168,7 @@ def test_dict_key_types_and_order_are_kept():
     assert list(decode(encode(d)).items()) == list(d.items())
 
 
-@pytest.mark.parametrize("value", [threading.Lock(), (i for i in range(3))], ids=str)
+@pytest.mark.parametrize("value", [threading.Lock(), (i for i in range(3))], ids=lambda v: type(v).__name__)
 def test_values_that_do_not_pickle_are_rejected_clearly(value):
     with pytest.raises(DpexWireError, match="cannot encode a value of type .* it does not pickle"):
         encode({"k": value})
@@ -191,7 +191,7 @@ def _local_record():
 @pytest.mark.parametrize("value", [
     {1, 2}, fractions.Fraction(1, 3), decimal.Decimal("1.5"), datetime.date(2026, 1, 2), np.array([object(), 1]),
     torch.zeros(3).index_fill_(0, torch.tensor([1]), 2.0).to_sparse(), np.ma.masked_array([1, 2], mask=[0, 1]),
-], ids=repr)
+], ids=lambda v: type(v).__name__)
 def test_any_picklable_value_travels_as_torch_s_workers_would_send_it(value):
     out = decode(encode({"k": [value]}))["k"][0]
     assert type(out) is type(value)
