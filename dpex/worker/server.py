@@ -114,13 +114,13 @@ class WorkerServer:
             self._server.add_generic_rpc_handlers((service.handler(),))
             self._health = add_health(self._server, "dpex.v1.Worker")
             self._server.start()
+            if config.metrics_port is not None:  # scraped as soon as it serves, while it may still wait for the dispatcher
+                self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir)
             self.agent.start()
             self._stopping = threading.Event()
             self._janitor = threading.Thread(target=self._sweep, name="dpex-shm-janitor", daemon=True)
             self._janitor.start()
-            if config.metrics_port is not None:
-                self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
         except BaseException:
             self.close()
             raise
