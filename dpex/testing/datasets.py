@@ -119,11 +119,15 @@ class Gated(Squares):
         self.path = path
 
     def __getitem__(self, i: int) -> dict:
-        import os
-        import time
-        while not os.path.exists(self.path):
-            time.sleep(0.005)
+        _wait_for(self.path)
         return super().__getitem__(i)
+
+
+def _wait_for(path: str) -> None:
+    """Blocks until the file ``path`` exists (a test's gate)."""
+    import time
+    while not os.path.exists(path):
+        time.sleep(0.005)
 
 
 class FilesIn(Dataset):
@@ -220,11 +224,8 @@ class GatedCounting(Counting):
         self.path = path
 
     def __iter__(self):
-        import os
-        import time
         for item in super().__iter__():
-            while not os.path.exists(self.path):
-                time.sleep(0.005)
+            _wait_for(self.path)
             yield item
 
 
