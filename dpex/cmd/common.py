@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
+import sys
 from typing import Any
 
 import click
@@ -31,24 +31,45 @@ def log_options(fn):
 
 def serve_until_signalled(server: Any, ready_file: str | None) -> None:
     """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server."""
-    # A plain list, not an Event: a handler may run inside another (a burst of
-    # SIGTERMs, e.g. a parent-death signal and a supervisor's), and Event.set()
-    # in both would wait for a lock the outer one holds, forever.
-    signalled: list[int] = []
+    # The signal's own wake-up byte, not a flag polled: the kernel may deliver the
+    # signal to a gRPC thread, and Python runs handlers only in the main thread;
+    # the C-level handler writes the byte to this pipe from any thread. (A flag
+    # set by the handler would do too, but only when the main thread next runs.)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: signalled.append(signum))
+        # A no-op handler: an Event.set() here could run inside another handler
+        # (a burst of SIGTERMs) and wait for a lock the outer one holds, forever.
+        signal.signal(sig, lambda signum, _: None)
+    old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     if ready_file:
         tmp = f"{ready_file}.tmp"
         metrics = getattr(server, "metrics", None)
         with open(tmp, "w") as f:  # the address, then the metrics port (if any)
             f.write(server.address + (f"\n{metrics.port}" if metrics is not None else ""))
         os.replace(tmp, ready_file)
-    # Short waits, not one long one: the kernel may deliver the signal to a
-    # gRPC thread, and Python runs handlers only when the main thread runs.
-    while not signalled:
-        time.sleep(0.2)
+    stops = {signal.SIGTERM, signal.SIGINT}
+    while not stops & set(os.read(wake_r, 64)):  # a byte per signal: its number
+        pass
+    signal.set_wakeup_fd(old_wakeup)
     logging.getLogger("dpex").info("shutting down")
     server.close()
+
+
+def exit_now(code: int = 0) -> None:
+    """Ends a daemon whose server is closed: the exit handlers run (logs,
+    multiprocessing's children and files), then the process ends without
+    Python tearing down its modules one by one (torch's take half a second
+    of CPU, and a daemon has nothing left to keep)."""
+    import atexit
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    os._exit(code)
 
 
 def auth_options(fn):

@@ -5,7 +5,7 @@ import click
 
 from dpex.auth import load_token
 from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
-                             serve_until_signalled, setup_logging)
+                             exit_now, serve_until_signalled, setup_logging)
 from dpex.config import DispatcherConfig
 from dpex.errors import DpexError
 
@@ -79,6 +79,7 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
     except DpexError as e:
         fail(str(e))
     serve_until_signalled(server, ready_file)
+    exit_now()
 
 
 if __name__ == "__main__":

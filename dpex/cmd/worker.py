@@ -5,7 +5,7 @@ import click
 
 from dpex.auth import load_token
 from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
-                             serve_until_signalled, setup_logging, tls_ca_option)
+                             exit_now, serve_until_signalled, setup_logging, tls_ca_option)
 from dpex.config import WorkerConfig
 from dpex.errors import DpexError
 from dpex.procutil import reuse_freed_memory
@@ -97,6 +97,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
     except DpexError as e:
         fail(str(e))
     serve_until_signalled(server, ready_file)
+    exit_now()
 
 
 def forked_pool(config: WorkerConfig):
