@@ -2,6 +2,7 @@
 and the next epochs exactly as an uninterrupted one would — after a clean
 stop, and after the checkpointing trainer was SIGKILLed past its checkpoint
 (with a worker killed, or the dispatcher restarted from its journal, meanwhile)."""
+import contextlib
 import io
 import random
 import signal
@@ -116,40 +117,48 @@ def run(address, kwargs, stop_at=None, state=None):
     return got, sd
 
 
+@pytest.fixture(scope="module")
+def c():
+    """One cluster for the resumes that kill nothing: each loader is a job of its
+    own, as a long-lived cluster serves them (two processes per worker: batches
+    of one epoch come from several processes)."""
+    with test_cluster(num_workers=2, processes=2) as cluster:
+        yield cluster
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_resumed_loader_continues_exactly(case):
+def test_a_resumed_loader_continues_exactly(c, case):
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
     kwargs = CASES[case]
-    with test_cluster(num_workers=2, processes=2) as c:
+    torch.manual_seed(11)
+    whole, _ = run(c.address, kwargs)
+    per_epoch = len(whole) // EPOCHS
+    assert per_epoch == (26 if "dataset" not in kwargs or kwargs["dataset"] is PROBE else 3 + 5 + 7)
+    assert all(max(b["start"]) == 0 for _, b in whole if isinstance(b, dict) and "start" in b)
+    if kwargs.get("dataset") is PROBE:
+        assert all(ok for _, batch in whole for _, _, ok in batch)
+    stops = {rng.randrange(1, len(whole)), per_epoch, per_epoch + 1, 2 * per_epoch, 3, 4}
+    if kwargs.get("num_workers"):  # streams are processes started per epoch: fewer, slower runs
+        stops = {rng.randrange(1, per_epoch), per_epoch + rng.randrange(1, per_epoch)}
+    for stop_at in sorted(stops):
         torch.manual_seed(11)
-        whole, _ = run(c.address, kwargs)
-        per_epoch = len(whole) // EPOCHS
-        assert per_epoch == (26 if "dataset" not in kwargs or kwargs["dataset"] is PROBE else 3 + 5 + 7)
-        assert all(max(b["start"]) == 0 for _, b in whole if isinstance(b, dict) and "start" in b)
-        if kwargs.get("dataset") is PROBE:
-            assert all(ok for _, batch in whole for _, _, ok in batch)
-        stops = {rng.randrange(1, len(whole)), per_epoch, per_epoch + 1, 2 * per_epoch, 3, 4}
-        if kwargs.get("num_workers"):  # streams are processes started per epoch: fewer, slower runs
-            stops = {rng.randrange(1, per_epoch), per_epoch + rng.randrange(1, per_epoch)}
-        for stop_at in sorted(stops):
-            torch.manual_seed(11)
-            first, sd = run(c.address, kwargs, stop_at)
-            rng_state = torch.get_rng_state()  # a training script saves it with its checkpoint
-            torch.manual_seed(99)  # the new process's RNG is anything
-            torch.set_rng_state(rng_state)
-            rest, _ = run(c.address, kwargs, state=torch_roundtrip(sd))
-            if kwargs.get("dataset") is STATEFUL:  # streams went on from their states, not from their starts
-                resumed_epoch = [b for e, b in rest if e == first[-1][0]]
-                assert (stop_at % per_epoch == 0 or kwargs.get("ordered") is False
-                        or any(max(b["start"]) > 0 for b in resumed_epoch))
-                rest = [(e, dict(b, start=[0] * len(b["start"]))) for e, b in rest]
-            if kwargs.get("ordered") is False:  # the same batches of each epoch, in any order
-                key = lambda bs: sorted((e, repr(b)) for e, b in bs)  # noqa: E731
-                assert key(first + rest) == key(whole), f"stop at {stop_at}, seed {seed}"
-            else:
-                assert first + rest == whole, f"stop at {stop_at}, seed {seed}"
+        first, sd = run(c.address, kwargs, stop_at)
+        rng_state = torch.get_rng_state()  # a training script saves it with its checkpoint
+        torch.manual_seed(99)  # the new process's RNG is anything
+        torch.set_rng_state(rng_state)
+        rest, _ = run(c.address, kwargs, state=torch_roundtrip(sd))
+        if kwargs.get("dataset") is STATEFUL:  # streams went on from their states, not from their starts
+            resumed_epoch = [b for e, b in rest if e == first[-1][0]]
+            assert (stop_at % per_epoch == 0 or kwargs.get("ordered") is False
+                    or any(max(b["start"]) > 0 for b in resumed_epoch))
+            rest = [(e, dict(b, start=[0] * len(b["start"]))) for e, b in rest]
+        if kwargs.get("ordered") is False:  # the same batches of each epoch, in any order
+            key = lambda bs: sorted((e, repr(b)) for e, b in bs)  # noqa: E731
+            assert key(first + rest) == key(whole), f"stop at {stop_at}, seed {seed}"
+        else:
+            assert first + rest == whole, f"stop at {stop_at}, seed {seed}"
 
 
 def torch_roundtrip(sd):
@@ -160,33 +169,32 @@ def torch_roundtrip(sd):
     return torch.load(buffer)
 
 
-def test_a_state_dict_is_small_and_refused_when_it_does_not_fit():
-    with test_cluster(num_workers=1) as c:
-        with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60,
-                                   job_name="saved") as dl:
-            it = iter(dl)
-            next(it)
-            sd = dl.state_dict()
-        assert sd["epoch"]["done"] == [[0, 1]] and sd["epoch"]["batches"] is None
-        assert len(sd["epoch"]["sampler"]) < 100  # the description, not the indices
-        refusals = {
-            "consumer 0 of 1.*consumer 1 of 2.*list of all 1 ranks": dict(num_consumers=2, consumer_index=1,
-                                                                           job_name="other"),
-            "dataset length 103.*dataset length 50": dict(dataset=dpex.DatasetSpec("dpex.client.options:Indices",
-                                                                                   50)),
-            "batch size 4.*batch size 5": dict(batch_size=5),
-            "job 'saved'.*job is 'another'": dict(job_name="another"),
-        }
-        for message, kwargs in refusals.items():
-            kwargs = {"dataset": SPEC, "batch_size": B, **kwargs}
-            with dpex.RemoteDataLoader(c.address, kwargs.pop("dataset"), timeout=60, **kwargs) as other:
-                with pytest.raises(dpex.DpexConfigError, match=message):
-                    other.load_state_dict(sd)
-                with pytest.raises(dpex.DpexConfigError, match="not a RemoteDataLoader state dict"):
-                    other.load_state_dict({"epoch": 3})
-                with pytest.raises(dpex.DpexConfigError, match="version 1; this Dpex reads version 2"):
-                    other.load_state_dict(dict(sd, version=1))
-                assert [b.tolist() for b in other][:1] != []  # refused: nothing changed, it plans afresh
+def test_a_state_dict_is_small_and_refused_when_it_does_not_fit(c):
+    with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60,
+                               job_name="saved") as dl:
+        it = iter(dl)
+        next(it)
+        sd = dl.state_dict()
+    assert sd["epoch"]["done"] == [[0, 1]] and sd["epoch"]["batches"] is None
+    assert len(sd["epoch"]["sampler"]) < 100  # the description, not the indices
+    refusals = {
+        "consumer 0 of 1.*consumer 1 of 2.*list of all 1 ranks": dict(num_consumers=2, consumer_index=1,
+                                                                       job_name="other"),
+        "dataset length 103.*dataset length 50": dict(dataset=dpex.DatasetSpec("dpex.client.options:Indices",
+                                                                               50)),
+        "batch size 4.*batch size 5": dict(batch_size=5),
+        "job 'saved'.*job is 'another'": dict(job_name="another"),
+    }
+    for message, kwargs in refusals.items():
+        kwargs = {"dataset": SPEC, "batch_size": B, **kwargs}
+        with dpex.RemoteDataLoader(c.address, kwargs.pop("dataset"), timeout=60, **kwargs) as other:
+            with pytest.raises(dpex.DpexConfigError, match=message):
+                other.load_state_dict(sd)
+            with pytest.raises(dpex.DpexConfigError, match="not a RemoteDataLoader state dict"):
+                other.load_state_dict({"epoch": 3})
+            with pytest.raises(dpex.DpexConfigError, match="version 1; this Dpex reads version 2"):
+                other.load_state_dict(dict(sd, version=1))
+            assert [b.tolist() for b in other][:1] != []  # refused: nothing changed, it plans afresh
 
 
 def test_a_state_dict_outlives_its_collected_job():
@@ -229,37 +237,36 @@ def lockstep(loaders, epoch, stop_at=None):
 
 
 @pytest.mark.parametrize("before,after", [(2, 3), (4, 2)])
-def test_an_elastic_resume_sees_every_sample_of_the_epoch_once(before, after):
+def test_an_elastic_resume_sees_every_sample_of_the_epoch_once(c, before, after):
     """N ranks checkpoint mid-epoch; M ranks, each given all N state dicts,
     see the samples no rank had seen, each once (DistributedSampler's padding
     aside), in equal shares; the next epoch is what M ranks plan. (2 ranks to
     1: test_ddp_resume.py, under torchrun.)"""
-    with test_cluster(num_workers=2) as c:
-        def loaders(ranks, job):
-            return [dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, seed=7, timeout=60,
-                                          num_consumers=ranks, consumer_index=r, job_name=job)
-                    for r in range(ranks)]
-        old = loaders(before, f"before-{before}")
-        stop_at = random.randrange(1, len(old[0]))
-        seen = lockstep(old, 0, stop_at)
-        assert seen == [batches[:stop_at] for batches in ddp_epoch(before, 0)]
-        states = [torch_roundtrip(dl.state_dict()) for dl in old]
-        for dl in old:
-            dl.close()
-        new = loaders(after, f"after-{after}")
-        for dl in new:
-            dl.load_state_dict(states)
-        rest = lockstep(new, 0)
-        assert len({len(batches) for batches in rest}) == 1, "every rank gets as many batches"
-        given = [i for batches in seen for b in batches for i in b]
-        left = [i for batches in rest for b in batches for i in b]
-        remaining = N - len(set(given))
-        padding = 0 if remaining % after == 0 else after - remaining % after
-        assert sorted(set(given) | set(left)) == list(range(N)) and not set(given) & set(left)
-        assert len(left) == remaining + padding and len(set(left)) == remaining
-        assert lockstep(new, 1) == ddp_epoch(after, 1), "the next epoch is what M ranks plan"
-        for dl in new:
-            dl.close()
+    def loaders(ranks, job):
+        return [dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, seed=7, timeout=60,
+                                      num_consumers=ranks, consumer_index=r, job_name=job)
+                for r in range(ranks)]
+    old = loaders(before, f"before-{before}")
+    stop_at = random.randrange(1, len(old[0]))
+    seen = lockstep(old, 0, stop_at)
+    assert seen == [batches[:stop_at] for batches in ddp_epoch(before, 0)]
+    states = [torch_roundtrip(dl.state_dict()) for dl in old]
+    for dl in old:
+        dl.close()
+    new = loaders(after, f"after-{after}")
+    for dl in new:
+        dl.load_state_dict(states)
+    rest = lockstep(new, 0)
+    assert len({len(batches) for batches in rest}) == 1, "every rank gets as many batches"
+    given = [i for batches in seen for b in batches for i in b]
+    left = [i for batches in rest for b in batches for i in b]
+    remaining = N - len(set(given))
+    padding = 0 if remaining % after == 0 else after - remaining % after
+    assert sorted(set(given) | set(left)) == list(range(N)) and not set(given) & set(left)
+    assert len(left) == remaining + padding and len(set(left)) == remaining
+    assert lockstep(new, 1) == ddp_epoch(after, 1), "the next epoch is what M ranks plan"
+    for dl in new:
+        dl.close()
 
 
 TRAINER = textwrap.dedent("""
@@ -294,10 +301,13 @@ def expected_epochs():
 
 
 @pytest.mark.parametrize("meanwhile", ["nothing", "a worker is killed", "the dispatcher restarts"])
-def test_a_killed_trainer_resumes_from_its_checkpoint_exactly_once(tmp_path, meanwhile):
+def test_a_killed_trainer_resumes_from_its_checkpoint_exactly_once(request, tmp_path, meanwhile):
     path, out = str(tmp_path / "ckpt.pt"), str(tmp_path / "batches.txt")
     stop_at = random.randrange(5, 80)
-    with test_cluster(num_workers=2, work_dir=str(tmp_path / "work")) as c:
+    # only the trainer killed: the module's cluster; a worker or the dispatcher too: a cluster of its own
+    own = meanwhile != "nothing"
+    with (test_cluster(num_workers=2, work_dir=str(tmp_path / "work")) if own
+          else contextlib.nullcontext(request.getfixturevalue("c"))) as c:
         first = subprocess.run([sys.executable, "-c", TRAINER, c.address, path, out, str(stop_at)],
                                capture_output=True, text=True, timeout=120)
         assert first.returncode == -signal.SIGKILL and "kill me" in first.stdout, first.stderr
