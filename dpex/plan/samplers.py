@@ -90,7 +90,7 @@ def describe(loader: Any) -> Spec | None:
             spec.seed = int(torch.empty((), dtype=torch.int64).random_().item())
         else:
             spec.generator_state = zlib.compress(sampler.generator.get_state().numpy().tobytes())
-            _draw(spec, sampler.generator)  # leaves the user's generator where torch would
+            _advance(spec, sampler.generator)  # leaves the user's generator where torch would
     elif kind is tud.DistributedSampler:
         spec.kind = Spec.DISTRIBUTED
         spec.seed, spec.shuffle = sampler.seed + sampler.epoch, sampler.shuffle
@@ -254,11 +254,25 @@ def _compute(spec: Spec) -> Any:
 
 
 def _draw(spec: Spec, generator: Any) -> Any:
-    """RandomSampler's draws from ``generator``, as one tensor (torch draws the
-    same numbers in one call as in its chunks of 32; tests/unit/test_samplers.py)."""
+    """RandomSampler's order from ``generator``, as one tensor (torch draws the
+    same numbers in one call as in its chunks of 32; tests/unit/test_samplers.py):
+    only the permutations that the order uses."""
     import torch
     n, total = spec.length, spec.num_samples
     if spec.replacement:
         return torch.randint(high=n, size=(total,), dtype=torch.int64, generator=generator)
-    perms = [torch.randperm(n, generator=generator) for _ in range(total // n + 1)]
+    perms = [torch.randperm(n, generator=generator) for _ in range(-(-total // n))]
     return torch.cat(perms)[:total] if len(perms) > 1 else perms[0][:total]
+
+
+def _advance(spec: Spec, generator: Any) -> None:
+    """Leaves ``generator`` where RandomSampler's iter() leaves it: after its
+    order, and after one more permutation when ``n`` divides ``num_samples``
+    (torch draws it and keeps none of it)."""
+    import torch
+    n, total = spec.length, spec.num_samples
+    if spec.replacement:
+        torch.randint(high=n, size=(total,), dtype=torch.int64, generator=generator)
+        return
+    for _ in range(total // n + 1):
+        torch.randperm(n, generator=generator)
