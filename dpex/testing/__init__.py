@@ -1,6 +1,7 @@
 """Helpers for Dpex's own tests (and users' tests of their pipelines):
 a LocalCluster with short heartbeats, datasets that workers can import,
 and process-tree inspection for leak checks."""
-from dpex.testing.cluster import descendants, pids_alive, status_tables, test_cluster, wait_until
+from dpex.testing.cluster import (descendants, oracle_context, pids_alive, status_tables, test_cluster,
+                                  wait_until)
 
-__all__ = ["descendants", "pids_alive", "status_tables", "test_cluster", "wait_until"]
+__all__ = ["descendants", "oracle_context", "pids_alive", "status_tables", "test_cluster", "wait_until"]

@@ -25,6 +25,18 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
 test_cluster.__test__ = False  # not a pytest test, despite the name
 
 
+def oracle_context() -> Any:
+    """The start method for torch's DataLoader as a test's oracle, in a process
+    that runs gRPC threads (fork could copy one mid-call): a forkserver that has
+    imported torch, so that each of torch's workers is a fork of it rather than
+    a new interpreter importing torch again, as spawn's are. Its workers unpickle
+    the dataset as spawn's do."""
+    import multiprocessing
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
     """Polls ``condition`` until it is truthy; raises TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

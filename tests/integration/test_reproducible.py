@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import dpex
-from dpex.testing import datasets, test_cluster
+from dpex.testing import datasets, oracle_context, test_cluster
 
 N, B = 96, 8
 SPEC = dpex.DatasetSpec("dpex.testing.datasets:Augmented", n=N)
@@ -159,11 +159,11 @@ def test_an_iterable_dataset_resumed_mid_stream_draws_what_it_would_have(one, ma
 
 
 def test_an_iterable_datasets_streams_draw_as_torchs_workers(many):
-    """torch's worker k of 3 is the oracle for stream k (spawned: this process runs gRPC threads)."""
+    """torch's worker k of 3 is the oracle for stream k (from a forkserver: this process runs gRPC threads)."""
     def run(make):
         return [plain(b) for b in make(datasets.AugmentedStream(n=60), batch_size=4, num_workers=3,
                                        generator=torch.Generator().manual_seed(9))]
-    want = run(lambda *a, **kw: DataLoader(*a, multiprocessing_context="spawn", **kw))
+    want = run(lambda *a, **kw: DataLoader(*a, multiprocessing_context=oracle_context(), **kw))
     assert run(lambda *a, **kw: dpex.DpexDataLoader(*a, distribute_mode=True, head_address=many.address,
                                                    **kw)) == want
 
@@ -183,7 +183,7 @@ def test_the_trainers_rng_is_drawn_as_torchs_dataloader_draws_it(many):
         iter(loader)  # the next epoch draws again
         out.append(torch.get_rng_state())
         return out
-    want = states(lambda *a, **kw: DataLoader(*a, multiprocessing_context="spawn", **kw))
+    want = states(lambda *a, **kw: DataLoader(*a, multiprocessing_context=oracle_context(), **kw))
     got = states(lambda *a, **kw: dpex.DpexDataLoader(*a, distribute_mode=True, head_address=many.address, **kw))
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want) == 4
 

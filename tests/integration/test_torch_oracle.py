@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 import dpex
 from dpex import DpexDataLoader
+from dpex.testing import oracle_context
 from dpex.testing.datasets import Crashing
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import tests/
@@ -190,7 +191,7 @@ def both(cluster, dataset_fn, catch=True, **kwargs):
             if cls is DataLoader and kw.get("num_workers") and kw.get("multiprocessing_context") in (None, "fork"):
                 # Fork would copy this process's gRPC threads (a forked worker may hang); what
                 # "context_fork" checks is that Dpex accepts the argument as torch does.
-                kw["multiprocessing_context"] = "spawn"
+                kw["multiprocessing_context"] = oracle_context()
             if gen is not None:
                 kw["generator"] = torch.Generator().manual_seed(gen)
             return cls(dataset_fn(), **extra, **kw)
@@ -236,7 +237,7 @@ def test_same_outcome_as_torch(cluster, name):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_iterable_dataset_longer_than_its_len_warns(cluster, num_workers):
     loaders = [DataLoader(Range(6, reported=2), batch_size=2, num_workers=num_workers,
-                          multiprocessing_context="spawn" if num_workers else None),
+                          multiprocessing_context=oracle_context() if num_workers else None),
                DpexDataLoader(Range(6, reported=2), distribute_mode=True, head_address=cluster.address,
                               batch_size=2, num_workers=num_workers)]
     assert len(loaders[0]) == len(loaders[1]) == 1
@@ -386,7 +387,7 @@ def test_an_unchanged_dataset_is_not_shipped_again(cluster):
 
 def test_worker_init_fn_and_getitem_see_one_dataset(cluster):
     (theirs, _), (ours, _) = [outcome(lambda: DataLoader(ds, batch_size=2, num_workers=1, worker_init_fn=ds.init,
-                                                                 multiprocessing_context="spawn")
+                                                                 multiprocessing_context=oracle_context())
                                       if cls is DataLoader else
                                       DpexDataLoader(ds, distribute_mode=True, head_address=cluster.address,
                                                      batch_size=2, num_workers=1, worker_init_fn=ds.init))
@@ -509,7 +510,7 @@ def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": the embedded cluster, on this machine's cores
     n = len(os.sched_getaffinity(0)) + 1
     said = []
-    for cls, extra in ((DataLoader, dict(multiprocessing_context="spawn")),
+    for cls, extra in ((DataLoader, dict(multiprocessing_context=oracle_context())),
                        (DpexDataLoader, dict(distribute_mode=True))):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
