@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -34,18 +35,26 @@ import signal
 import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
 from dpex import DpexDataLoader
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``sklearn.datasets.load_digits(return_X_y=True)``
+    gives them, read from the file scikit-learn ships: importing
+    sklearn.datasets (scipy and every loader) costs 1.6 s of CPU in each process."""
+    sklearn = os.path.dirname(importlib.util.find_spec("sklearn").origin)
+    data = np.loadtxt(os.path.join(sklearn, "datasets", "data", "digits.csv.gz"), delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
 class Digits(Dataset):
     """scikit-learn's digits, 8x8 grey images; the first 1500 train, the rest test."""
 
     def __init__(self, train: bool) -> None:
-        x, y = load_digits(return_X_y=True)
+        x, y = load_digits()
         part = slice(0, 1500) if train else slice(1500, None)
         self.x = torch.tensor(x[part], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
         self.y = torch.tensor(y[part])
