@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 from typing import Any
 
@@ -46,6 +47,16 @@ def temp_dir(kind: str) -> str:
     pid (``dpex-KIND-PID-…``); those of dead processes go first."""
     remove_dead_temp_dirs(kind)
     return tempfile.mkdtemp(prefix=f"dpex-{kind}-{os.getpid()}-")
+
+
+def flush_stdio() -> None:
+    """Flushes sys.stdout and sys.stderr, whatever they are (closed, replaced,
+    None): before a fork (else their buffers are written twice) and before os._exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:

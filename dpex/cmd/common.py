@@ -4,12 +4,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from typing import Any
 
 import click
 
-from dpex.procutil import die_with_parent_from_env
+from dpex.procutil import die_with_parent_from_env, flush_stdio
 
 LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
 
@@ -64,11 +63,7 @@ def exit_now(code: int = 0) -> None:
     import atexit
     atexit._run_exitfuncs()
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+    flush_stdio()
     os._exit(code)
 
 

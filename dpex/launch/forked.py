@@ -84,11 +84,8 @@ def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,
     once the dispatcher serves; EOF: it did not start), writes ``ready``
     when it serves (as ``dpex-worker --ready-file``), logs to ``log_path``
     and stops when the trainer dies."""
-    for stream in (sys.stdout, sys.stderr):  # else their buffers would be written twice
-        try:
-            stream.flush()
-        except (AttributeError, ValueError, OSError):
-            pass
+    from dpex.procutil import flush_stdio
+    flush_stdio()  # else their buffers would be written twice
     trainer = os.getpid()
     pid = os.fork()
     if pid:
