@@ -269,10 +269,7 @@ def _advance(spec: Spec, generator: Any) -> None:
     """Leaves ``generator`` where RandomSampler's iter() leaves it: after its
     order, and after one more permutation when ``n`` divides ``num_samples``
     (torch draws it and keeps none of it)."""
-    import torch
-    n, total = spec.length, spec.num_samples
-    if spec.replacement:
-        torch.randint(high=n, size=(total,), dtype=torch.int64, generator=generator)
-        return
-    for _ in range(total // n + 1):
-        torch.randperm(n, generator=generator)
+    _draw(spec, generator)
+    if not spec.replacement and spec.num_samples % spec.length == 0:
+        import torch
+        torch.randperm(spec.length, generator=generator)

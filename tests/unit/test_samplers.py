@@ -53,6 +53,10 @@ CASES = {
         Indices(50), num_samples=173)), None),
     "random-num-samples-multiple": lambda: (_loader(50, batch_size=8, sampler=tud.RandomSampler(
         Indices(50), num_samples=100)), None),
+    "random-num-samples-more-generator": lambda: (lambda g: (_loader(50, batch_size=8, sampler=tud.RandomSampler(
+        Indices(50), num_samples=173, generator=g)), g))(torch.Generator().manual_seed(4)),
+    "random-num-samples-multiple-generator": lambda: (lambda g: (_loader(50, batch_size=8, sampler=tud.RandomSampler(
+        Indices(50), num_samples=100, generator=g)), g))(torch.Generator().manual_seed(6)),
     "replacement": lambda: (_loader(100, batch_size=8, sampler=tud.RandomSampler(
         Indices(100), replacement=True, num_samples=333)), None),
     "replacement-generator": lambda: (lambda g: (_loader(100, batch_size=8, sampler=tud.RandomSampler(
