@@ -1,4 +1,8 @@
-"""What the whole suite checks once: it leaves nothing behind."""
+"""What the whole suite checks once: it leaves nothing behind.
+
+The check runs in the process that runs the session: pytest itself, or
+pytest-xdist's controller once every worker process is done (a worker
+process would see the other's live directories)."""
 import gc
 import os
 import tempfile
@@ -6,6 +10,8 @@ import tempfile
 import pytest
 
 from dpex.testing import wait_until
+
+_BEFORE = pytest.StashKey[set]()
 
 
 def leftovers() -> set[str]:
@@ -18,18 +24,38 @@ def leftovers() -> set[str]:
     return found
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_xdist_worker(session.config):
+        session.config.stash[_BEFORE] = leftovers()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind():
-    before = leftovers()
+def collect_garbage_last():
     yield
-    # Daemons stopped by the last tests may still be exiting: wait, then name what stayed.
-    # Garbage of this process goes first: the oracle tests' torch DataLoaders (spawned
-    # workers) hold named semaphores in iterators that an exception's frames keep in a cycle.
+    # The oracle tests' torch DataLoaders (their workers) hold named semaphores
+    # in iterators that an exception's frames keep in a cycle: let them go.
     gc.collect()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _is_xdist_worker(session.config) or _BEFORE not in session.config.stash:
+        return
+    before = session.config.stash[_BEFORE]
+    gc.collect()
+    # Daemons stopped by the last tests may still be exiting: wait, then name what stayed.
     try:
         wait_until(lambda: not (leftovers() - before), 20, "dpex directories to be removed")
     except TimeoutError:
-        pytest.fail(f"the tests left behind: {sorted(leftovers() - before)}")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the tests left behind: {sorted(leftovers() - before)}"
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,4 +65,3 @@ def no_embedded_cluster_outlives_its_module():
     yield
     from dpex.launch import local
     local.stop_embedded()
-
