@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from dpex.testing import wait_until
 from dpex.worker import dataport
 from dpex.worker.dataport import KEY_BYTES, DataPort, Sender
 
@@ -67,7 +68,11 @@ def test_a_flood_from_one_host_is_turned_away_without_a_thread_each(port, monkey
     finally:
         for s in flood:
             s.close()
-    key = port.new_key()  # the flood gone, a trainer's socket is taken again
+    # Once the port has seen the flood's sockets close (each in its own
+    # handshake's thread, which a loaded machine may run late), a trainer's
+    # socket is taken again.
+    wait_until(lambda: not port._handshakes, 10, "the flood's handshakes to end")
+    key = port.new_key()
     with connect(port, key):
         assert port.claim(key, timeout_s=10) is not None
 
