@@ -41,7 +41,9 @@ def torchrun(tmp_path, address, mode, name):
     script.write_text(TRAIN)
     out = tmp_path / name
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(script), str(out), mode],
+    # --log-dir: else torchrun leaves a torchelastic_* directory in /tmp
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "--log-dir", str(tmp_path / "elastic"),
+                           str(script), str(out), mode],
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, "DPEX_DISPATCHER": address, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

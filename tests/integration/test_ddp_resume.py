@@ -60,7 +60,9 @@ def torchrun(tmp_path, address, ranks, ckpt, out, stop_at):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     launcher = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return subprocess.run([launcher, "--standalone", f"--nproc_per_node={ranks}", str(script), str(ckpt),
+    # --log-dir: else torchrun leaves a torchelastic_* directory in /tmp
+    return subprocess.run([launcher, "--standalone", f"--nproc_per_node={ranks}", "--log-dir", str(tmp_path / "elastic"),
+                           str(script), str(ckpt),
                            str(out), str(stop_at)], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "DPEX_DISPATCHER": address, "OMP_NUM_THREADS": "1"})
 

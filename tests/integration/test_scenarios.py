@@ -24,7 +24,9 @@ BIN = os.path.dirname(sys.executable)
 def train(cluster, tmp_path, mode, distribute, *extra, check=True):
     out = tmp_path / f"{mode}-{distribute}.json"
     args = ["--mode", mode, "--epochs", "1", "--out", str(out), *extra] + (["--distribute"] if distribute else [])
-    cmd = ([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", SCRIPT] if mode == "ddp"
+    # --log-dir: else torchrun leaves a torchelastic_* directory in /tmp
+    cmd = ([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "--log-dir",
+            str(tmp_path / "elastic"), SCRIPT] if mode == "ddp"
            else [sys.executable, SCRIPT]) + args
     env = {**os.environ, "DPEX_DISPATCHER": cluster.address, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
