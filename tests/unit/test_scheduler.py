@@ -165,12 +165,14 @@ def test_a_consumer_whose_streams_closed_holds_nothing(scheduler):
 
 
 @pytest.fixture
-def gated(tmp_path):
-    """A scheduler over 4 processes whose batches run until ``gate`` exists."""
+def gated(tmp_path, request):
+    """A scheduler over 4 processes whose batches run until ``gate`` exists
+    (a buffer of 2 batches, or the test's indirect parameter)."""
     gate = tmp_path / "gate"
     path = job_file(tmp_path, "Gated", n=100, path=str(gate))
     pool4 = BatchPool(4, "test-worker")
-    s = Scheduler(pool4, lambda job_id: path, buffer_batches=2, max_inflight=8, worker_address="w")
+    s = Scheduler(pool4, lambda job_id: path, buffer_batches=getattr(request, "param", 2), max_inflight=8,
+                  worker_address="w")
     yield s, gate
     gate.touch()
     wait_until(lambda: s.depth()[1] == 0, what="the running batches to finish")
@@ -194,6 +196,10 @@ def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_proce
     assert sorted(parse_frame(f)[0].seq for f in got) == [0, 1]  # as they finish: the trainer orders
 
 
+# A buffer the consumer cannot fill (8 batches in all): it is never saturated,
+# however many of its batches the scheduler's thread has started ahead by the
+# time of each question (with a buffer of 2 it could be, on a loaded machine).
+@pytest.mark.parametrize("gated", [16], indirect=True)
 def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(gated):
     s, gate = gated
     s.add_split(split(split_id=1, first=0, n=1))
