@@ -12,6 +12,7 @@ import pytest
 from dpex.testing import wait_until
 
 _BEFORE = pytest.StashKey[set]()
+_LEFT = pytest.StashKey[list]()
 
 
 def leftovers() -> set[str]:
@@ -45,17 +46,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _is_xdist_worker(session.config) or _BEFORE not in session.config.stash:
         return
     before = session.config.stash[_BEFORE]
-    gc.collect()
     # Daemons stopped by the last tests may still be exiting: wait, then name what stayed.
     try:
         wait_until(lambda: not (leftovers() - before), 20, "dpex directories to be removed")
     except TimeoutError:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"the tests left behind: {sorted(leftovers() - before)}"
-        if reporter is not None:
-            reporter.ensure_newline()
-            reporter.write_line(message, red=True, bold=True)
+        session.config.stash[_LEFT] = sorted(leftovers() - before)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if _LEFT in config.stash:
+        terminalreporter.write_sep("=", f"the tests left behind: {config.stash[_LEFT]}", red=True, bold=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
