@@ -51,6 +51,8 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
     while not stops & set(os.read(wake_r, 64)):  # a byte per signal: its number
         pass
     signal.set_wakeup_fd(old_wakeup)
+    os.close(wake_r)
+    os.close(wake_w)
     logging.getLogger("dpex").info("shutting down")
     server.close()
 
