@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from dpex.errors import DpexConfigError
 
 MAX_MESSAGE_BYTES = 1 << 30  # what trainers accept: one batch must fit in one message
+# A loader that called the dispatcher this recently holds its consumer (its long poll returns every
+# second); a newcomer waits this long for a silent holder (a dead trainer) before it is refused.
+CLAIM_HELD_S = 5.0
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 
 JOB_COLLECTED = "was collected"  # in the dispatcher's NOT_FOUND for a garbage-collected job
+CONSUMER_IN_USE = "is in use by another loader"  # in the dispatcher's ALREADY_EXISTS for a held consumer
+# A dispatcher's UNAVAILABLE while it stops (SIGTERM): its clients ride it out as an outage.
+GOING_AWAY = "the dispatcher is shutting down (it may be restarting)"
 
 
 class DpexError(Exception):

@@ -212,27 +212,34 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
     (counted from the start of ``outage``, if one is shared), saying so at the
     first failure: which peer, why, and for how long.
 
-    Any other failure, or running out of retry time, raises the DpexError
-    that corresponds to the status. ``track`` receives the call's future, so
-    that another thread can cancel it (it then raises DpexCancelledError).
+    A CANCELLED call that ``stop()`` did not ask for (the server cut it
+    short as it stopped) is retried as UNAVAILABLE is. Any other failure, or
+    running out of retry time, raises the DpexError that corresponds to the
+    status. ``track`` receives the call's future, so that another thread can
+    cancel it (it then raises DpexCancelledError), as does a closed channel.
     """
     outage = outage if outage is not None else Outage()
     delay = 0.05
     while True:
-        future = method.future(request, timeout=timeout_s)
+        try:
+            future = method.future(request, timeout=timeout_s)
+        except ValueError as e:  # "Cannot invoke RPC: Channel closed!": its owner is closing
+            raise errors.DpexCancelledError(f"call to {target} was cancelled: {e}") from None
         if track is not None:
             track(future)
         try:
             result = future.result()
             outage.over(target)
             return result
-        except grpc.FutureCancelledError:
+        except grpc.FutureCancelledError:  # cancelled here, through ``track``
             raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
-            if code == grpc.StatusCode.CANCELLED:
+            if code == grpc.StatusCode.CANCELLED and stop is not None and stop():
                 raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
-            if code != grpc.StatusCode.UNAVAILABLE:
+            # CANCELLED that we did not ask for: the server cut the call short (it was stopping), or our
+            # channel closed (the next try says so): an outage like UNAVAILABLE, never a silent end.
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise to_dpex_error(e, target) from None
             now = time.monotonic()
             since = outage.failed(now)  # read once: another call may end the outage meanwhile

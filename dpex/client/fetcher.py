@@ -102,11 +102,12 @@ class Control:
         while not self._stop.is_set():
             try:
                 response = self._sync(digest, wait_s=1.0)
-            except DpexCancelledError:
-                return
-            except DpexError as e:
+            except BaseException as e:  # noqa: BLE001 - never end quietly: the epoch fails with the reason
                 if not self._stop.is_set():
-                    self._results.put(_Failed(e))
+                    error = e if isinstance(e, DpexError) and not isinstance(e, DpexCancelledError) else \
+                        DpexConnectionError(f"the epoch's control stream to {self._target} ended: "
+                                            f"{type(e).__name__}: {e}")
+                    self._results.put(_Failed(error))
                 return
             if response.owners_digest != digest:
                 digest = response.owners_digest
@@ -202,7 +203,8 @@ class EpochFetcher:
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
                  meter: StatsMeter | None = None, leave: Callable[[], None] | None = None,
                  progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
-                 client_id: int = 0) -> None:
+                 client_id: int = 0, health: Callable[[], BaseException | None] | None = None,
+                 no_worker_s: float | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
         ``leave()`` tells the dispatcher the epoch was left unfinished;
@@ -210,7 +212,10 @@ class EpochFetcher:
         gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
         resumed epoch starts with those of its checkpoint, never fetched again.
-        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims)."""
+        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims).
+        ``health()``: why the loader's own cluster can serve no more, raised as
+        the epoch's error (None: it can); ``no_worker_s``: how long the
+        dispatcher may have no live worker before the epoch fails (None: for ever)."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
@@ -225,6 +230,8 @@ class EpochFetcher:
         self._router = Router(num_streams)
         self._corrupt: dict[str, int] = {}  # address -> corrupt frames it sent
         self._report = report
+        self._health, self._no_worker_s = health, no_worker_s
+        self._no_workers_since: float | None = None
         self._meter = meter or StatsMeter()
         self._closed = False
         self._interrupted = False
@@ -287,21 +294,44 @@ class EpochFetcher:
             try:
                 got = self._results.get(timeout=1.0)
             except queue.Empty:
-                now = time.monotonic()
-                if self._timeout_s is not None and now - last_progress > self._timeout_s:
-                    self.close()
-                    since = self._outage.since if self._outage is not None else None
-                    if since is not None:  # the cause: the dispatcher is down (its outage had as long)
-                        raise DpexConnectionError(self._waiting_for(
-                            f"no batch arrived for {self._timeout_s:g}s and {self._target} has been unreachable "
-                            f"for {now - since:.0f}s"))
-                    raise DpexTimeoutError(self._waiting_for(f"no batch arrived for {self._timeout_s:g}s"))
-                if now - last_log > _WAIT_LOG_S:
-                    last_log = now
-                    log.warning("%s", self._waiting_for("still waiting"))
-                continue
-            if self._handle(got):
+                got = None
+            if got is not None and self._handle(got):
                 last_progress = time.monotonic()
+                continue
+            # No batch (a second without news, or news that brought none: failing streams
+            # come every backoff): the epoch may be stuck.
+            now = time.monotonic()
+            self._check_stuck(now, last_progress)
+            if now - last_log > _WAIT_LOG_S:
+                last_log = now
+                log.warning("%s", self._waiting_for("still waiting"))
+
+    def _check_stuck(self, now: float, last_progress: float) -> None:
+        """Ends the epoch with an error that says why when no batch can come:
+        none arrived for ``timeout``, the embedded cluster failed (``health``),
+        or no worker has been alive for ``no_worker_s`` (None: ``timeout``)."""
+        error = self._health() if self._health is not None else None
+        if error is not None:
+            self.close()
+            raise error
+        if self._timeout_s is not None and now - last_progress > self._timeout_s:
+            self.close()
+            since = self._outage.since if self._outage is not None else None
+            if since is not None:  # the cause: the dispatcher is down (its outage had as long)
+                raise DpexConnectionError(self._waiting_for(
+                    f"no batch arrived for {self._timeout_s:g}s and {self._target} has been unreachable "
+                    f"for {now - since:.0f}s"))
+            raise DpexTimeoutError(self._waiting_for(f"no batch arrived for {self._timeout_s:g}s"))
+        if self._router.workers_alive != 0:
+            self._no_workers_since = None
+            return
+        if self._no_workers_since is None:
+            self._no_workers_since = now
+        elif self._no_worker_s is not None and now - self._no_workers_since > self._no_worker_s:
+            self.close()
+            raise DpexConnectionError(self._waiting_for(
+                f"{self._target} has had no live worker for {now - self._no_workers_since:.0f}s (start "
+                "dpex-worker --dispatcher HOST:PORT on the nodes with the data)"))
 
     # ---- internals ------------------------------------------------------------
     def _waiting_for(self, what: str) -> str:

@@ -33,8 +33,9 @@ from dpex.dataset import DatasetSpec, describe_dataset
 from dpex.launch.head import resolve
 from dpex.plan import samplers
 from dpex.plan.spec import chunks
-from dpex.errors import (JOB_COLLECTED, DpexConfigError, DpexConnectionError, DpexError, DpexNotFoundError,
-                         rebuild)
+from dpex.config import CLAIM_HELD_S
+from dpex.errors import (CONSUMER_IN_USE, JOB_COLLECTED, DpexConfigError, DpexConflictError, DpexConnectionError,
+                         DpexError, DpexNotFoundError, rebuild)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
@@ -178,7 +179,11 @@ class RemoteDataLoader:
     (``shard=False``: the whole dataset, as torch's DataLoader).
     ``timeout`` is how many seconds to wait for the next batch before raising
     (None: wait as long as it takes), and how long an outage of the dispatcher
-    is ridden out once it was reached (``connect_timeout`` before that).
+    is ridden out once it was reached (``connect_timeout`` before that);
+    with ``timeout=None``, an epoch fails once the dispatcher has had no live
+    worker for ``connect_timeout`` seconds. An embedded cluster's worker
+    that dies is started again (a few times); its dispatcher's death, or
+    one too many of the worker's, fails the epoch in torch's words.
     ``window`` batches are requested ahead.
     As with torch's DataLoader, each worker process seeds itself from the
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
@@ -258,7 +263,7 @@ class RemoteDataLoader:
         spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
         self.num_consumers, self.consumer_index = num_consumers, consumer_index
         self.ordered, self.timeout = ordered, timeout
-        self._connect_timeout = connect_timeout
+        self._connect_timeout = opts.first_contact_s
         self._outage = Outage()  # the dispatcher's: every call to it gives up on one deadline
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
         self._meter = StatsMeter()
@@ -426,7 +431,9 @@ class RemoteDataLoader:
             num_streams=streams, meter=self._meter,
             leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress,
             report=lambda address, error: _send_and_forget(
-                stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)))
+                stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)),
+            health=self._res.cluster.failure if self.embedded else None,
+            no_worker_s=self._connect_timeout if self.timeout is None else None)
         self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                    progress, streams, resume.reshard if resume is not None else None)
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
@@ -514,7 +521,7 @@ class RemoteDataLoader:
 
     def _outage_allowance_s(self) -> float:
         """How long calls to the dispatcher ride out its outage: ``connect_timeout``
-        until it was first reached (a wrong address fails fast), then as long as
+        (or ``timeout``, if shorter) until it was first reached (a wrong address fails fast), then as long as
         the loader's ``timeout`` allows (None: for ever), so that a dispatcher
         restarted from its journal finds its trainers still there."""
         if self.job_id is None:
@@ -522,6 +529,21 @@ class RemoteDataLoader:
         return math.inf if self.timeout is None else max(self.timeout, self._connect_timeout)
 
     def _submit(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
+        """Submits the epoch's plan, waiting up to the claim time (CLAIM_HELD_S)
+        for a consumer held by a loader gone silent (a trainer killed and run
+        again at once: the dispatcher may not have seen its connection end);
+        a live holder keeps it, and this loader gets its DpexConflictError."""
+        deadline = time.monotonic() + CLAIM_HELD_S + 1.0
+        while True:
+            try:
+                return self._submit_once(submit, batches)
+            except DpexConflictError as e:
+                if CONSUMER_IN_USE not in str(e) or time.monotonic() > deadline:
+                    raise
+                log.info("%s; waiting up to %.0fs for its holder to go silent", e, deadline - time.monotonic())
+                time.sleep(0.25)
+
+    def _submit_once(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
         """Submits the epoch's plan: a description or streams in one call,
         explicit batches in bounded chunks. The number of batches planned."""
         if submit.num_streams or submit.HasField("sampler"):

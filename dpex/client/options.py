@@ -63,6 +63,12 @@ class LoaderOptions:
         _check(isinstance(self.pin_memory_device, str), "pin_memory_device must be a string")
         object.__setattr__(self, "compression", check_compression(self.compression))
 
+    @property
+    def first_contact_s(self) -> float:
+        """How long the dispatcher (and its first worker) is waited for before
+        it was ever reached: ``connect_timeout``, or ``timeout`` if shorter."""
+        return self.connect_timeout_s if self.timeout_s is None else min(self.connect_timeout_s, self.timeout_s)
+
 
 def index_batch(element: Any, unbatched: bool):
     """One element of a planning DataLoader's epoch as the plan sends it: a

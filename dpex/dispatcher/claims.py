@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from dpex.errors import DpexConflictError
-
-HELD_S = 5.0  # a holder that synced this recently is alive (its long poll returns every second)
+from dpex.config import CLAIM_HELD_S as HELD_S  # a holder that synced this recently is alive
+from dpex.errors import CONSUMER_IN_USE, DpexConflictError
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Claims:
         if claim is not None and busy and not takeover:
             name = f"job {job_name!r}" if job_name else f"job {key[0]}"
             raise DpexConflictError(
-                f"consumer {key[1]} of {name} is in use by another loader ({claim.peer}, since "
+                f"consumer {key[1]} of {name} {CONSUMER_IN_USE} ({claim.peer}, since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(claim.since))}); two loaders never share "
                 "one consumer's stream: give this one another consumer_index (with num_consumers), another "
                 "job_name, or close the other")

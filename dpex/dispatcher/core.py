@@ -29,9 +29,10 @@ from dpex.auth import is_loopback_peer
 from dpex.log import fields
 from dpex.plan import samplers
 from dpex.plan.seq import split_seqs
-from dpex.plan.spec import PlanHash, resumed
+from dpex.plan.spec import PlanHash, of_loader, resumed
 from dpex.procutil import temp_dir
-from dpex.errors import JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.errors import (GOING_AWAY, JOB_COLLECTED, DpexAuthError, DpexConfigError, DpexConflictError,
+                         DpexConnectionError, DpexNotFoundError)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
@@ -84,17 +85,27 @@ class DispatcherCore:
                      config.work_dir, self._store.generation, self._store.replayed, time.monotonic() - started,
                      len(self._state.alive_workers()), len(self._state.jobs))
         self._stop = threading.Event()
+        self._closed = False  # the journal is closed: no update is taken any more
         self._reaper = threading.Thread(target=self._reap, name="dpex-reaper", daemon=True)
         self._reaper.start()
 
-    def close(self) -> None:
+    def stop_serving(self) -> None:
+        """The first step of a graceful stop: the long polls end now with
+        UNAVAILABLE, which clients read as an outage of the dispatcher (they
+        retry until it is back); the server stops taking calls next."""
         self._stop.set()
         with self._lock:
             self._waiters.wake_all()
+
+    def close(self) -> None:
+        """Stops the reaper and closes the journal (after the server stopped:
+        an update that still comes is refused as the dispatcher going away)."""
+        self.stop_serving()
         if self._reaper.is_alive() and self._reaper is not threading.current_thread():
             self._reaper.join()
-        if self._store is not None:
-            with self._lock:
+        with self._lock:
+            self._closed = True
+            if self._store is not None:
                 self._store.close()
         self._plan_files.close()
         if self._own_plan_dir is not None:
@@ -103,6 +114,8 @@ class DispatcherCore:
 
     def _apply(self, **kind) -> object:
         """Journals one update, then applies it; the caller holds self._lock."""
+        if self._closed:
+            raise DpexConnectionError(GOING_AWAY)
         update = jpb.Update(**kind)
         if self._store is not None:
             self._store.append(update)  # written before it takes effect; durable before any answer
@@ -234,7 +247,9 @@ class DispatcherCore:
         # that it does not hold yet is sent, so a lost response loses no assignment.
         while True:
             with self._lock:
-                if worker.alive and not self._stop.is_set():
+                if self._stop.is_set():
+                    raise DpexConnectionError(GOING_AWAY)
+                if worker.alive:
                     chosen = self._state.choose_splits(worker.worker_id, request.want_splits, saturated)
                     if chosen:
                         self._apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id,
@@ -244,9 +259,8 @@ class DispatcherCore:
                 settled &= held  # what it no longer holds needs no word
                 urgent = [s for s in release if s not in settled]  # cancelled or taken away: free them now
                 remaining = deadline - time.monotonic()
-                if (worker.held - held or urgent or remaining <= 0 or not worker.alive
-                        or self._stop.is_set() or self._waiters.full):
-                    pause = remaining > 0 and (self._waiters.full or self._stop.is_set())  # no room, or closing
+                if worker.held - held or urgent or remaining <= 0 or not worker.alive or self._waiters.full:
+                    pause = remaining > 0 and self._waiters.full  # no room for its poll
                     response = dpb.WorkerHeartbeatResponse(release_split_ids=release, pause=pause)
                     for split_id in sorted(worker.held - held):
                         self._describe(self._state.splits[split_id], response.splits.add())
@@ -376,7 +390,7 @@ class DispatcherCore:
             if request.more:
                 return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
             plan_file, num_batches, digest = self._plan_files.finish(upload_id)
-        digest = resumed(digest, request.done, request.resume_id)
+        digest = of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
         if num_batches > self._config.max_plan_batches:
             raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self._config.max_plan_batches} (--max-plan-batches)")
@@ -444,12 +458,13 @@ class DispatcherCore:
     async def _sync_poll(self, request, plan, deadline: float) -> dpb.SyncConsumerResponse:
         while True:
             with self._lock:
+                if self._stop.is_set():
+                    raise DpexConnectionError(GOING_AWAY)
                 owners = self._state.owners(plan)
                 digest = hashlib.sha256(repr([(s.split_id, w.worker_id) for s, w in owners])
                                         .encode()).digest()[:16]
                 remaining = deadline - time.monotonic()
-                if (digest != request.owners_digest or remaining <= 0 or self._stop.is_set()
-                        or self._waiters.full):
+                if digest != request.owners_digest or remaining <= 0 or self._waiters.full:
                     response = dpb.SyncConsumerResponse(workers_alive=len(self._state.alive_workers()),
                                                         owners_digest=digest)
                     for split, worker in owners:

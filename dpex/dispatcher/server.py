@@ -149,9 +149,13 @@ class DispatcherServer:
             self._run(health.enter_graceful_shutdown())  # probes see NOT_SERVING from here on
         if self.metrics is not None:
             self.metrics.close()
-        self.core.close()  # wakes the long polls, which answer at once
+        # In that order: the long polls end (UNAVAILABLE: clients ride it out), the servers take no
+        # new call and finish those in flight, then the journal closes, after the last update.
+        self.core.stop_serving()
         if self._servers:
             self._run(self._stop(grace_s))
+        self.core.close()
+        if self._servers:
             self._pool.shutdown(wait=False)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

@@ -109,6 +109,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     # The trainer's objects are never collected here: none of its finalizers run
     # in this copy (it would close the trainer's things), and its pages stay shared.
     gc.freeze()
+    os.setsid()  # as the embedded dispatcher: a Ctrl-C to the trainer's process group is the trainer's
     _forget_trainers_forkserver()
     for sig in signal.valid_signals():  # the trainer's handlers are not ours
         if callable(signal.getsignal(sig)) and sig != signal.SIGINT:

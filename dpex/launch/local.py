@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpex.config import DispatcherConfig, WorkerConfig
-from dpex.errors import DpexConfigError, DpexError
+from dpex.errors import DpexConfigError, DpexError, DpexWorkerError
 from dpex.auth import TOKEN_ENV
 from dpex.launch.forked import ForkedProcess, can_fork, fork_worker
 from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
 from dpex import shm
+
+_log = logging.getLogger("dpex.launch")
 
 
 @dataclass
@@ -91,7 +93,10 @@ class LocalCluster:
     ``metrics`` gives every daemon a Prometheus endpoint (``Daemon.metrics_url``);
     ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them;
     ``drain_timeout_s`` is how long a worker answers in-flight calls when stopped;
-    ``log_dir`` (default: a new temporary directory) is removed on close.
+    ``log_dir`` (default: a new temporary directory) is removed on close;
+    ``own_session`` starts the daemons in a session of their own, out of
+    reach of a Ctrl-C (SIGINT) to the starter's process group: they stop with
+    the starter, which may ignore SIGINT (a background job) or handle it.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
@@ -102,7 +107,8 @@ class LocalCluster:
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                  start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 drain_timeout_s: float = WorkerConfig.drain_timeout_s, log_dir: str | None = None) -> None:
+                 drain_timeout_s: float = WorkerConfig.drain_timeout_s, log_dir: str | None = None,
+                 own_session: bool = False) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
         self.host = host
@@ -111,6 +117,7 @@ class LocalCluster:
         self._buffer_batches = buffer_batches
         self._drain_timeout_s = drain_timeout_s
         self._start_timeout_s = start_timeout_s
+        self._own_session = own_session
         # The daemons set their parent-death signal themselves (dpex.procutil).
         self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         if auth_token:  # through the environment: a command line is visible to every user
@@ -149,7 +156,8 @@ class LocalCluster:
             self._count += 1
             stem = os.path.join(self.log_dir, f"{name}-{self._count}")
         ready, log_path = stem + ".ready", stem + ".log"
-        return spawn(args, ready, log_path, {**self._env, **(env or {})}), ready, log_path
+        return (spawn(args, ready, log_path, {**self._env, **(env or {})}, start_new_session=self._own_session),
+                ready, log_path)
 
     def _start(self, name: str, args: list[str]) -> Daemon:
         return await_ready(name, *self._spawn(name, args), self._start_timeout_s)
@@ -190,8 +198,14 @@ class LocalCluster:
 
     def restart_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
         """Kills worker ``index`` and starts a new one on the same address."""
-        old = self.kill_worker(index, sig)
-        port = old.address.rsplit(":", 1)[1]
+        self.kill_worker(index, sig)
+        return self.respawn_worker(index)
+
+    def respawn_worker(self, index: int) -> Daemon:
+        """Starts a new worker on the address of worker ``index``, which has
+        exited: registered there, it replaces the old one in the dispatcher at
+        once (whose splits it takes), and trainers reach it where they were."""
+        port = self.workers[index].address.rsplit(":", 1)[1]
         new = self._start("worker", self._worker_args(port))
         with self._lock:
             self.workers[index] = new
@@ -251,8 +265,22 @@ class LocalCluster:
         self.close()
 
 
+def exit_reason(pid: int, code: int) -> str:
+    """A daemon's end in torch's words for its workers' ("DataLoader worker
+    (pid N) is killed by signal: Killed.")."""
+    if code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"(pid {pid}) is killed by signal: {name}."
+    return f"(pid {pid}) exited unexpectedly with exit code {code}."
+
+
 # ---- the embedded cluster of a trainer process ------------------------------------------
 EMBEDDED_LINGER_S = 10.0  # an idle embedded cluster waits this long for the next loader, then stops
+SUPERVISE_S = 0.25        # how often the embedded cluster's owner looks for a daemon that died
+MAX_RESPAWNS = 3          # embedded workers started again after one died; one more death is an error
 
 
 class Embedded:
@@ -272,6 +300,11 @@ class Embedded:
         if self._shared is None:
             raise DpexConfigError("this embedded cluster lease is closed")
         return self._shared.address()
+
+    def failure(self) -> BaseException | None:
+        """Why the cluster can serve no more (its dispatcher died, or its worker
+        died more often than it is started again), or None."""
+        return self._shared.failure() if self._shared is not None else None
 
     def close(self) -> None:
         """Gives the lease back; safe to call more than once."""
@@ -296,6 +329,7 @@ class _Shared:
         self._ready, self._stop = threading.Event(), threading.Event()
         self._log_dir = temp_dir("cluster")
         self._forked: tuple[ForkedProcess, str, str] | None = None
+        self._respawns = 0
         self._address_pipe = -1
         if fork:
             ready, log_path = (os.path.join(self._log_dir, f"worker-0.{ext}") for ext in ("ready", "log"))
@@ -316,8 +350,10 @@ class _Shared:
         try:
             try:
                 # Nobody else uses it: its worker need not drain when it stops.
+                # In a session of their own: the trainer decides what a Ctrl-C does (they stop with it).
                 self._cluster = LocalCluster(num_workers=0 if self._forked else 1, processes=processes,
-                                             auth_token=token, drain_timeout_s=0, log_dir=self._log_dir)
+                                             auth_token=token, drain_timeout_s=0, log_dir=self._log_dir,
+                                             own_session=True)
                 if self._forked:
                     os.write(self._address_pipe, f"{self._cluster.address}\n".encode())
             finally:
@@ -331,15 +367,53 @@ class _Shared:
                 stop_process(self._forked[0])  # type: ignore[arg-type]
         finally:
             self._ready.set()
+        while self._error is None and not self._stop.wait(SUPERVISE_S):
+            self._supervise()
         self._stop.wait()
         if self._cluster is not None:
             self._cluster.close()
         else:
             shutil.rmtree(self._log_dir, ignore_errors=True)
 
+    def _supervise(self) -> None:
+        """A daemon that died (the out-of-memory killer, a signal): a worker is
+        started again on its address, up to MAX_RESPAWNS times; the
+        dispatcher, whose jobs live only in its memory, cannot be. Else the
+        cluster fails, with torch's words, and its loaders raise them."""
+        cluster = self._cluster
+        assert cluster is not None
+        dispatcher = cluster.dispatcher.process
+        if dispatcher.poll() is not None:
+            self._error = DpexWorkerError(
+                f"the embedded Dpex dispatcher {exit_reason(dispatcher.pid, dispatcher.returncode)} "
+                f"Its log:\n{cluster.dispatcher.log_tail()}", stage="process")
+            return
+        for index, worker in enumerate(list(cluster.workers)):
+            code = worker.process.poll()
+            if code is None:
+                continue
+            what = f"DataLoader worker {exit_reason(worker.process.pid, code)}"
+            if self._respawns >= MAX_RESPAWNS:
+                self._error = DpexWorkerError(
+                    f"{what} (the embedded Dpex worker, {self._respawns} times started again already). "
+                    f"Its log:\n{worker.log_tail()}", stage="process", worker=worker.address)
+                return
+            self._respawns += 1
+            _log.warning("%s (the embedded Dpex worker); starting a new one on %s", what, worker.address)
+            try:
+                cluster.respawn_worker(index)
+            except DpexError as e:
+                self._error = DpexWorkerError(f"{what} (the embedded Dpex worker), and a new one did not start: "
+                                              f"{e}", stage="process", worker=worker.address)
+                return
+
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+    def failure(self) -> BaseException | None:
+        """Why the cluster can serve no more (a daemon died for good), or None."""
+        return self._error if self._ready.is_set() else None
 
     def address(self) -> str:
         self._ready.wait()
@@ -374,7 +448,7 @@ def embedded(processes: int, auth_token: str | None, start_method: str | None = 
                 shared.close()
             forkable = fork and can_fork()
             if fork and not forkable:
-                logging.getLogger("dpex.launch").info(
+                _log.info(
                     "gRPC runs threads in this process: the embedded cluster's worker is spawned, not forked "
                     "(its first batch waits for a new interpreter to import torch)")
             shared = _embedded[key] = _Shared(key, forkable)

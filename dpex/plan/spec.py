@@ -37,6 +37,13 @@ def resumed(digest: bytes, done: Iterable[dpb.SeqRange], resume_id: int) -> byte
     return h.digest()
 
 
+def of_loader(digest: bytes, client_id: int) -> bytes:
+    """A plan's hash as the plan of one loader (its client id): that loader's
+    plan submitted again is a reconnect, another loader's equal plan (the same
+    script rerun after a crash) is a plan of its own, which replaces it."""
+    return digest if not client_id else hashlib.sha256(digest + b"client%d" % client_id).digest()
+
+
 def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> Iterator[list[dpb.IndexBatch]]:
     """Consecutive runs of whole batches, each of at most ``max_indices``
     indices (or one batch, if a single batch is larger); at least one run."""
