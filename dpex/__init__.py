@@ -6,7 +6,16 @@ import this package) start without loading torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# Before gRPC is first imported (unless the user set them): a trainer that forks (torch's own
+# DataLoader beside Dpex) runs no gRPC fork handlers, which are skipped and say so on every fork
+# while Dpex's channels are busy, and whose child-side half could abort the forked child (Dpex
+# forks its own processes before any gRPC thread runs, or from a forkserver); and gRPC's core
+# logs only errors (it printed a GOAWAY line at a clean exit).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 _EXPORTS = {
     "RemoteDataLoader": "dpex.client.loader",

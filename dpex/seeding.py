@@ -27,6 +27,8 @@ from typing import Any
 _SAMPLE, _COLLATE = b"dpex-sample", b"dpex-collate"
 _KEY = struct.Struct("<qq")
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+GENERATORS = frozenset({"random", "torch", "numpy"})  # the global generators a sample's seed keys
 
 _current: int | None = None  # the seed of the sample (or collate) being made in this process
 
@@ -35,11 +37,13 @@ def _derive(domain: bytes, base_seed: int, place: int) -> int:
     # Signed 64-bit packing: a base seed is torch's int64 draw, a place may be any int64.
     base = ((base_seed + (1 << 63)) & _MASK64) - (1 << 63)
     digest = hashlib.blake2b(_KEY.pack(base, place), digest_size=8, person=domain).digest()
-    return int.from_bytes(digest, "little")
+    # In torch's range of seeds, [0, 2**63): torch.initial_seed() of a sample fits an int64 (a
+    # dataset that returns it is collated by default_collate).
+    return int.from_bytes(digest, "little") & _MASK63
 
 
 def for_sample(base_seed: int, place: int) -> int:
-    """The 64-bit seed of the sample at ``place`` of an epoch of ``base_seed``."""
+    """The seed (in [0, 2**63)) of the sample at ``place`` of an epoch of ``base_seed``."""
     return _derive(_SAMPLE, base_seed, place)
 
 
@@ -48,19 +52,44 @@ def for_collate(base_seed: int, place: int) -> int:
     return _derive(_COLLATE, base_seed, place)
 
 
-def seed_globals(seed: int) -> None:
+def seed_globals(seed: int, skip: frozenset = frozenset()) -> None:
     """Sets torch's (CPU), numpy's and ``random``'s global generators from
     ``seed``, as torch's DataLoader seeds a worker (torch and ``random`` with
-    the seed, numpy with 32 bits of it)."""
+    the seed, numpy with 32 bits of it); not those named in ``skip`` (the
+    user's: see :func:`seeded_since`)."""
     global _current
     import random
 
     import numpy as np
     import torch
     _current = seed
-    random.seed(seed)
-    torch.default_generator.manual_seed(seed)  # torch.manual_seed would also seed every accelerator: 100x slower
-    np.random.seed(seed & 0xFFFFFFFF)
+    if "random" not in skip:
+        random.seed(seed)
+    if "torch" not in skip:
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would also seed every accelerator: 100x slower
+    if "numpy" not in skip:
+        np.random.seed(seed & 0xFFFFFFFF)
+
+
+def seed_marks() -> dict[str, Any]:
+    """What changes when a global generator is seeded, but not when it is
+    drawn from: torch's initial seed, numpy's key, ``random``'s state less its
+    position. Taken before and after a ``worker_init_fn``."""
+    import random
+
+    import numpy as np
+    import torch
+    version, state, gauss = random.getstate()
+    return {"random": (version, state[:-1]), "torch": torch.initial_seed(),
+            "numpy": np.random.get_state()[1].tobytes()}
+
+
+def seeded_since(marks: dict[str, Any]) -> frozenset:
+    """The generators seeded since ``marks`` were taken: the user's from then
+    on (a ``worker_init_fn`` that seeds torch keeps torch's generator as
+    torch's DataLoader would), which keyed draws leave alone."""
+    now = seed_marks()
+    return frozenset(name for name in GENERATORS if now[name] != marks[name])
 
 
 def clear() -> None:

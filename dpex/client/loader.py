@@ -270,6 +270,7 @@ class RemoteDataLoader:
         self._token = token = load_token(token=auth_token)
         self._tls_ca = ca = load_ca(tls_ca)
         self._code = (spec, collate_fn, worker_init_fn)
+        self._code_kept = False  # persistent_workers: the first iter()'s code was shipped, and stays
         job = dpb.JobDef(name=job_name or "", num_consumers=num_consumers, persistent_workers=persistent_workers,
                          **_code_fields(*self._code, bundled=self._instance is not None),
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
@@ -569,10 +570,13 @@ class RemoteDataLoader:
         """As torch hands the dataset to its workers at ``iter()``: a dataset
         instance (or worker_init_fn, collate_fn) changed since the job was
         made goes to the workers as a new job. Unchanged (the same pickle),
-        nothing is sent. A named or DDP-shared job keeps its definition."""
+        nothing is sent. A named or DDP-shared job keeps its definition, and
+        with ``persistent_workers`` the first ``iter()``'s stays, as torch's
+        persistent workers keep the dataset they were given."""
         job = self._job_request.job
-        if job.name:
+        if job.name or self._code_kept:
             return
+        self._code_kept = job.persistent_workers
         fields = _code_fields(*self._code, bundled=True)
         if fields["dataset"] == job.dataset:
             return

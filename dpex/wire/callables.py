@@ -9,7 +9,9 @@ it is loaded."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import sys
 import types
 from typing import Any, Callable
 
@@ -22,7 +24,9 @@ loads = pickle.loads
 
 def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
     """``cloudpickle.dumps(obj)``, keeping the file names of the code in it;
-    ``persistent_id`` as pickle's (what it names is left out of the pickle)."""
+    ``persistent_id`` as pickle's (what it names is left out of the pickle).
+    The script's code travels by value (see :func:`ship_script_by_value`)."""
+    ship_script_by_value()
     out = io.BytesIO()
     _Pickler(out, persistent_id).dump(obj)
     return out.getvalue()
@@ -47,3 +51,41 @@ class _Pickler(cloudpickle.Pickler):
 
 def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
     return code if code.co_filename == filename else code.replace(co_filename=filename)
+
+
+_INSTALLED = ("site-packages", "dist-packages")
+
+
+def _script_dir() -> str | None:
+    """The directory of the script this process runs (``python train.py``, or
+    the script a spawned child re-ran as ``__mp_main__``); None for ``-m``,
+    an interactive session or a notebook."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or getattr(main, "__spec__", None) is not None:
+        return None
+    return os.path.dirname(os.path.abspath(path))
+
+
+def ship_script_by_value() -> None:
+    """Marks the user's script code for pickling by value, as cloudpickle
+    does for ``__main__``: ``__mp_main__`` (the script in a child of
+    ``mp.spawn`` or a spawn-started process) and the modules imported from
+    the script's own directory (``from imgtrain import Data`` beside
+    ``train.py``), which the workers cannot import. Installed packages, and
+    dpex, travel by reference."""
+    main = sys.modules.get("__mp_main__")
+    if isinstance(main, types.ModuleType) and main.__name__ not in cloudpickle.list_registry_pickle_by_value():
+        cloudpickle.register_pickle_by_value(main)
+    where = _script_dir()
+    if where is None:
+        return
+    registered = cloudpickle.list_registry_pickle_by_value()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (not path or name in registered or name.partition(".")[0] in ("dpex", "__main__", "__mp_main__")
+                or "." in name and name.partition(".")[0] in registered):
+            continue
+        path = os.path.abspath(path)
+        if path.startswith(where + os.sep) and not any(part in _INSTALLED for part in path.split(os.sep)):
+            cloudpickle.register_pickle_by_value(module)

@@ -59,6 +59,7 @@ class _Context(NamedTuple):
     """What torch gives one DataLoader worker: its WorkerInfo and RNG streams."""
     info: Any
     rng: list  # seeding.global_states() (random, torch, numpy), saved on switch
+    users: frozenset = frozenset()  # the generators worker_init_fn seeded: the user's, never keyed
 
 
 _jobs: OrderedDict[int, _Job] = OrderedDict()
@@ -150,7 +151,9 @@ def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
     while len(_contexts) > 4 * _MAX_CACHED_JOBS:
         _contexts.popitem(last=False)
     if job.worker_init_fn is not None:
+        marks = seeding.seed_marks()
         job.worker_init_fn(_child_index)
+        _contexts[key] = _contexts[key]._replace(users=seeding.seeded_since(marks))
 
 
 def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -> Any:
@@ -220,7 +223,7 @@ def produce(task: Task) -> bytes | Handoff:
             _reading(-1)
         stage, index = "collate", -1
         if places:
-            seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]))
+            seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), _contexts[_current].users)
         batch = collate(job, samples)
         seeding.clear()
         stage = "encode"
@@ -246,7 +249,7 @@ def _seed_sample(task: Task, places: Sequence[int], i: int) -> None:
     """Keys the process's generators to sample ``i`` of the task (a job with
     keyed draws; else they run on, as in torch's workers)."""
     if places:
-        seeding.seed_globals(seeding.for_sample(task.base_seed, places[i]))
+        seeding.seed_globals(seeding.for_sample(task.base_seed, places[i]), _contexts[_current].users)
 
 
 def _reading(index: int) -> None:

@@ -63,7 +63,7 @@ def test_consumer_k_of_n_interleaves_its_places_with_the_others():
 def test_seeds_differ_by_place_base_seed_and_purpose_and_set_every_generator():
     seeds = {seeding.for_sample(b, p) for b in (0, 1, -5, 2**63 - 1) for p in range(50)}
     seeds |= {seeding.for_collate(b, p) for b in (0, 1) for p in range(50)}
-    assert len(seeds) == 4 * 50 + 2 * 50 and all(0 <= s < 2**64 for s in seeds)
+    assert len(seeds) == 4 * 50 + 2 * 50 and all(0 <= s < 2**63 for s in seeds)  # torch's range: an int64
     assert seeding.for_sample(-5, 3) == seeding.for_sample(-5, 3)
 
     def draws():
@@ -105,3 +105,17 @@ def test_an_elastic_reshard_keeps_each_samples_place():
         for rank in range(after):
             for batch in elastic(states, after, rank, 4, False).batches:
                 assert [whole[i] for i in batch.indices] == list(batch.places)  # padding copies too
+
+
+def test_generators_a_worker_init_fn_seeded_are_the_users_and_keyed_draws_leave_them_alone():
+    marks = seeding.seed_marks()
+    torch.rand(3), np.random.rand(3), random.random()  # drawing from a generator is not seeding it
+    assert seeding.seeded_since(marks) == frozenset()
+    torch.manual_seed(12345)
+    random.seed(3)
+    users = seeding.seeded_since(marks)
+    assert users == {"torch", "random"}
+    seeding.seed_globals(seeding.for_sample(7, 11), users)
+    assert torch.initial_seed() == 12345  # the user's, as under torch's DataLoader
+    assert np.random.get_state()[1][0] == np.random.RandomState(seeding.for_sample(7, 11) & 0xFFFFFFFF).get_state()[1][0]
+    seeding.clear()

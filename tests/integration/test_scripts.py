@@ -1,0 +1,250 @@
+"""Training scripts written the way people write them, each run as a script of
+its own: once with torch's DataLoader, once with Dpex's (the import line
+swapped), and what the two print compared. Torch's own suite cannot show
+these: its datasets live in an importable test module, never in a script's
+``__main__``."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TORCH = "from torch.utils.data import DataLoader\n"
+DPEX = ("import dpex\n"
+        "def DataLoader(*args, **kwargs):\n"
+        "    return dpex.DpexDataLoader(*args, distribute_mode=True, **kwargs)\n")
+
+# The seed's own examples have no main guard; neither do these, unless the pattern needs one.
+MAP = """
+import torch
+from torch.utils.data import Dataset
+{loader}
+class Squares(Dataset):
+    def __len__(self):
+        return 20
+    def __getitem__(self, i):
+        return i * i
+"""
+
+
+def run(path, *args, timeout=180, cwd=None):
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def both(tmp_path, body, *args, name="train.py", **kwargs):
+    """What the script prints with torch's DataLoader and with Dpex's."""
+    out = []
+    for which, loader in (("torch", TORCH), ("dpex", DPEX)):
+        folder = tmp_path / which
+        folder.mkdir(exist_ok=True)
+        script = folder / name
+        script.write_text(textwrap.dedent(body).replace("{loader}", loader))
+        out.append(run(script, *args, cwd=folder, **kwargs))
+    assert out[0].strip(), "the script printed nothing"
+    return out
+
+
+def test_map_style_without_a_main_guard(tmp_path):
+    torch_out, dpex_out = both(tmp_path, MAP + """
+loader = DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2,
+                    generator=torch.Generator().manual_seed(0))
+for epoch in range(2):
+    print([b.tolist() for b in loader])
+""")
+    assert torch_out == dpex_out
+
+
+def test_iterable_without_a_main_guard(tmp_path):
+    torch_out, dpex_out = both(tmp_path, """
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+{loader}
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        k, n = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(k, 20, n))
+loader = DataLoader(Stream(), batch_size=4, num_workers=2, timeout=60)
+print([b.tolist() for b in loader])
+""")
+    assert torch_out == dpex_out
+
+
+def test_mp_spawn_with_the_dataset_in_the_script(tmp_path):
+    torch_out, dpex_out = both(tmp_path, MAP + """
+import torch.multiprocessing as mp
+
+def run(rank, world):
+    loader = DataLoader(Squares(), batch_size=5, num_workers=1)
+    print(rank, [b.tolist() for b in loader], flush=True)
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(1,), nprocs=1)
+""")
+    assert torch_out == dpex_out
+
+
+def test_torchrun_with_the_dataset_in_the_script(tmp_path):
+    body = MAP + """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+loader = DataLoader(Squares(), batch_size=5, num_workers=1)  # no sampler: every rank reads it all, as torch
+print(dist.get_rank(), [b.tolist() for b in loader], flush=True)
+dist.destroy_process_group()
+"""
+    out = []
+    for which, loader in (("torch", TORCH), ("dpex", DPEX)):
+        folder = tmp_path / which
+        folder.mkdir()
+        (folder / "train.py").write_text(textwrap.dedent(body).replace("{loader}", loader))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--log-dir", str(folder / "logs"), "train.py"], cwd=folder, capture_output=True,
+                              text=True, timeout=180, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr[-4000:]
+        out.append(sorted(done.stdout.splitlines()))
+    assert out[0] == out[1] and len(out[0]) == 2
+
+
+def test_a_dataset_from_a_module_beside_the_script_travels_by_value(tmp_path):
+    # imgtrain.py beside train.py: a CLI worker cannot import it (its cwd is elsewhere).
+    import dpex
+    from dpex.testing import test_cluster
+    (tmp_path / "imgtrain.py").write_text(textwrap.dedent("""
+        from torch.utils.data import Dataset
+        class Squares(Dataset):
+            def __len__(self):
+                return 10
+            def __getitem__(self, i):
+                return i * i
+        """))
+    with test_cluster(num_workers=1) as c:
+        (tmp_path / "train.py").write_text(textwrap.dedent(f"""
+            import dpex
+            from imgtrain import Squares
+            loader = dpex.DpexDataLoader(Squares(), distribute_mode=True, head_address={c.address!r},
+                                         batch_size=5, timeout=60)
+            print([b.tolist() for b in loader])
+            """))
+        assert run(tmp_path / "train.py", cwd=tmp_path) == "[[0, 1, 4, 9, 16], [25, 36, 49, 64, 81]]\n"
+    assert dpex  # the test's own process imported it; the script's did too
+
+
+def test_torchs_own_loader_beside_dpex_for_40_epochs(tmp_path):
+    torch_out, dpex_out = both(tmp_path, """
+import torch
+import torch.utils.data as tud
+from torch.utils.data import Dataset
+{loader}
+class Data(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.full((8,), i)
+train = DataLoader(Data(), batch_size=8, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+validation = tud.DataLoader(Data(), batch_size=8, num_workers=2)  # torch's own, forked, while Dpex's threads run
+for epoch in range(40):
+    seen = [b[:, 0].tolist() for b in train]
+    checked = sum(int(b.sum()) for b in validation)
+    print(epoch, seen[0], checked)
+""")
+    assert torch_out == dpex_out
+
+
+def test_torchs_own_loader_beside_dpex_prints_no_grpc_fork_warning(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(DPEX + textwrap.dedent("""
+        import torch
+        import torch.utils.data as tud
+        train = DataLoader(list(range(64)), batch_size=8, num_workers=2)
+        validation = tud.DataLoader(list(range(64)), batch_size=8, num_workers=2)
+        for epoch in range(5):
+            it = iter(train)
+            next(it)  # Dpex's channels are busy while torch's workers fork
+            assert sum(len(b) for b in validation) == 64
+            print(sum(len(b) for b in it) + 8)
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout == "64\n" * 5
+    assert "fork" not in done.stderr and "goaway" not in done.stderr.lower(), done.stderr
+
+
+def test_a_worker_init_fn_that_seeds_torch_numpy_and_random(tmp_path):
+    # torch's test_worker_init_fn: the sample sees the seed the user set, and torch.initial_seed() collates.
+    torch_out, dpex_out = both(tmp_path, """
+import random
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+{loader}
+class Draws(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.initial_seed(), int(np.random.get_state()[1][0]), random.getstate()[1][0]
+def init(worker_id):
+    torch.manual_seed(12345)
+    np.random.seed(7)
+    random.seed(3)
+loader = DataLoader(Draws(), batch_size=4, num_workers=2, worker_init_fn=init)
+print([[t.tolist() for t in b] for b in loader])
+unseeded = DataLoader(Draws(), batch_size=4, num_workers=2)
+print(all(0 <= s < 2**63 for b in unseeded for s in b[0].tolist()))
+""")
+    assert torch_out == dpex_out
+
+
+def test_persistent_workers_keep_the_dataset_of_the_first_iter(tmp_path):
+    # torch's test_dataset_not_reset.
+    torch_out, dpex_out = both(tmp_path, """
+import torch
+from torch.utils.data import Dataset
+{loader}
+class Data(Dataset):
+    def __init__(self):
+        self.start = 0
+    def __len__(self):
+        return 6
+    def __getitem__(self, i):
+        return self.start + i
+for persistent in (True, False):
+    data = Data()
+    loader = DataLoader(data, batch_size=3, num_workers=2, persistent_workers=persistent)
+    data.start = 10  # before the first iter(): seen either way
+    for epoch in range(3):
+        print(persistent, epoch, [b.tolist() for b in loader])
+        data.start += 100
+""")
+    assert torch_out == dpex_out
+
+
+def test_a_trainer_with_threads_of_its_own(tmp_path):
+    torch_out, dpex_out = both(tmp_path, MAP + """
+import threading
+results = {}
+def read(name, loader):
+    results[name] = [b.tolist() for b in loader]
+loaders = {name: DataLoader(Squares(), batch_size=5, num_workers=1) for name in ("a", "b")}
+threads = [threading.Thread(target=read, args=item) for item in loaders.items()]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(sorted(results.items()))
+""")
+    assert torch_out == dpex_out
+
+
+def test_code_run_by_exec_as_in_a_notebook(tmp_path):
+    # No file behind __main__: Jupyter runs cells with exec.
+    cell = MAP.replace("{loader}", "") + """
+loader = DataLoader(Squares(), batch_size=5, num_workers=2)
+print([b.tolist() for b in loader])
+"""
+    torch_out, dpex_out = both(tmp_path, f"{{loader}}\nexec({cell!r})\n")
+    assert torch_out == dpex_out
