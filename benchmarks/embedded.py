@@ -10,7 +10,11 @@ Every round runs in a fresh interpreter, as a script would, after
 ``dpex.DpexDataLoader``, which imports Dpex's client (torch's DataLoader
 came with ``import torch``).
 
-    .venv/bin/python benchmarks/embedded.py [--rounds 5] [--num-workers 2]
+``--load N`` runs N processes that spin on the CPU throughout (a loaded
+machine: parallel test runs, another job), to see that the embedded
+cluster still starts, and how long it takes then.
+
+    .venv/bin/python benchmarks/embedded.py [--rounds 5] [--num-workers 2] [--load 0]
 """
 from __future__ import annotations
 
@@ -69,7 +73,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--load", type=int, default=0, help="processes spinning on the CPU meanwhile")
     args = p.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        run(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def run(args: argparse.Namespace) -> None:
     kinds = ["dpex", "dpex-spawn", "torch", "spawn"]
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for _ in range(args.rounds):  # alternating, so that the machine's drift touches each alike
@@ -77,6 +92,7 @@ def main() -> None:
             runs[kind].append(one_round(args.num_workers, kind))
     med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in runs.items()}
     print(f"embedded cluster vs torch's DataLoader, num_workers={args.num_workers}, {os.cpu_count()} cores, "
+          f"{args.load} spinning processes, "
           f"median of {args.rounds} fresh interpreters (512 samples of 3x32x32 uint8, batch 32)")
     names = {"dpex": "DpexDataLoader (embedded)", "dpex-spawn": "DpexDataLoader (spawn)",
              "torch": "torch DataLoader (fork)",

@@ -234,6 +234,7 @@ class EpochFetcher:
         self._no_workers_since: float | None = None
         self._meter = meter or StatsMeter()
         self._closed = False
+        self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
                                 self._meter.recent_need, client_id)
@@ -278,6 +279,8 @@ class EpochFetcher:
     def next_batch(self) -> tuple[Any, int, int]:
         """The next batch, the bytes it took on the wire and its seq; not metered."""
         if self._closed:
+            if self._left_why is not None:
+                raise DpexCancelledError(self._left_why)
             raise StopIteration
         last_progress = last_log = time.monotonic()
         while True:
@@ -460,7 +463,15 @@ class EpochFetcher:
         self._streams.drop(address)
         self._ledger.reroute(lambda seq, owed_by: owed_by == address)
 
-    def close(self) -> None:
-        """Ends the epoch; before its last batch, that is leaving it."""
+    @property
+    def closed(self) -> bool:
+        """Ended: finished, left, or failed."""
+        return self._closed
+
+    def close(self, why: str | None = None) -> None:
+        """Ends the epoch; before its last batch, that is leaving it. With
+        ``why`` (another epoch took its place), its next batch raises that."""
+        if why is not None and not self._closed:
+            self._left_why = why
         self._closed = True
         self._finalizer()

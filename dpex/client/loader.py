@@ -24,6 +24,7 @@ from dpex.client import checkpoint
 from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.distributed import current_run, shared_job_name
 from dpex.client.fetcher import DatasetSeen, EpochFetcher
+from dpex.client.lanes import Lane, Lanes
 from dpex.client.options import Indices, LoaderOptions, check_sampling, index_batch
 from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
 from dpex.client.stats import LoaderStats, StatsMeter
@@ -128,29 +129,30 @@ class _Resources:
         self.cluster: Any = None
         self.channel: Any = None
         self.stub: Any = None
-        self.streams = StreamPool(token, tls_ca, shared_memory)
-        self.epoch: weakref.ref | None = None  # the current epoch's iterator, while someone holds it
-        self.release: Callable[[], None] | None = None
+        self._pool_args = (token, tls_ca, shared_memory)
+        self.read_frame: Callable[..., Any] | None = None  # pinning's, for frames from other hosts
+        self.lanes = Lanes(Lane(0, self.new_streams()))
         self._lock = threading.Lock()
         self._closed = False
 
-    def close_epoch(self) -> None:
-        epoch = self.epoch() if self.epoch is not None else None
-        if epoch is not None:
-            epoch.close()
+    @property
+    def streams(self) -> StreamPool:
+        """Lane 0's streams, which a loader's epochs use when one is read at a time."""
+        return self.lanes.first.streams
+
+    def new_streams(self) -> StreamPool:
+        """Streams to the workers for one lane (dpex.client.lanes)."""
+        streams = StreamPool(*self._pool_args)
+        if self.read_frame is not None:
+            streams.read_frame = self.read_frame
+        return streams
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.close_epoch()
-        self.streams.close()
-        if self.release is not None:
-            try:
-                self.release()
-            except DpexError:
-                pass
+        self.lanes.close()
         if self.channel is not None:
             self.channel.close()
         if self.cluster is not None:
@@ -191,8 +193,10 @@ class RemoteDataLoader:
     ``pin_memory`` pins batches in the trainer when an accelerator is present,
     as torch does: ahead of the consumer, in a thread of its own with one
     intra-op thread (on ``pin_memory_device``, default the current accelerator).
-    Dropping an epoch's iterator before its end (a ``break``), a new ``iter()``
-    or ``close()`` leaves the epoch: workers drop what they hold for it.
+    Each ``iter()`` is an epoch of its own, as torch's: one still being read
+    goes on beside it (``zip(loader, loader)``; see dpex.client.lanes).
+    Dropping an epoch's iterator before its end (a ``break``) or ``close()``
+    leaves the epoch: workers drop what they hold for it.
     ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call; with
     ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
     With ``shared_memory``, batches of a worker on this host are mapped from
@@ -296,10 +300,13 @@ class RemoteDataLoader:
         self._client_id = secrets.randbits(63) + 1  # this loader's: it holds its consumer of the job
         try:
             if address is None:  # started in the background, shared with this process's other loaders
-                from dpex.launch.local import embedded
+                from dpex.launch.local import START_TIMEOUT_S, embedded
                 self._res.cluster = embedded(processes or os.cpu_count() or 1, token,
                                              _start_method(multiprocessing_context))
                 self._target = "the embedded dispatcher"
+                # Ours, and serving once it said so: no wrong address to fail fast on, and its owner reports
+                # a daemon's death. On a loaded machine its first answers (and worker) may take a while.
+                self._connect_timeout = max(self._connect_timeout, START_TIMEOUT_S)
             if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
                 warnings.warn(
                     f"the dataset instance is shipped to every worker by value and pickles to "
@@ -340,7 +347,7 @@ class RemoteDataLoader:
             self._window = window or 4 * (1 if self.embedded else max(1, len(self._alive_workers())))
             self._pin = pin_target(pin_memory_device) if pin_memory else None
             if self._pin is not None:  # frames from other hosts arrive pinned
-                self._res.streams.read_frame = PinnedFrames(self._pin)
+                self._res.read_frame = self._res.streams.read_frame = PinnedFrames(self._pin)
         except BaseException:
             self.close()
             raise
@@ -378,11 +385,15 @@ class RemoteDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._finalizer.alive is False:
             raise DpexConfigError("this RemoteDataLoader is closed")
-        self._res.close_epoch()  # a new iter() leaves the last epoch, as torch's does
         resume, self._resume = self._resume, None
         if self._instance is not None:
             self._ship_dataset()
         self._connect()
+        # An epoch of its own, as torch's iter(): one still being read goes on, on its lane.
+        lane = self._res.lanes.pick(self._open_lane, first_only=resume is not None)
+        if lane.busy:
+            lane.close_epoch(f"this epoch of job {lane.job_id} was left: the loader resumed from a state dict "
+                             "(load_state_dict) in a new iter(), which takes its place")
         if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
             base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
@@ -403,7 +414,7 @@ class RemoteDataLoader:
                 samplers.place_explicit(plan, self.consumer_index, self.num_consumers)
         epoch = self._epoch_counter
         self._epoch_counter += 1
-        submit = dpb.SubmitPlanRequest(job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch,
+        submit = dpb.SubmitPlanRequest(job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch,
                                        base_seed=base_seed, num_streams=streams, client_id=self._client_id)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
@@ -419,13 +430,16 @@ class RemoteDataLoader:
             if JOB_COLLECTED not in str(e):
                 raise
             log.warning("%s; making it again", e)  # the definition is ours: nothing is lost
-            self._create_job()
-            submit.job_id = self.job_id
+            if lane is self._res.lanes.first:
+                self._create_job()
+            else:
+                lane.job_id = self._make_job(named=False)
+            submit.job_id = lane.job_id
             num_batches = self._submit(submit, plan)
         stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
-            job_id=self.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id)
+            job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id)
         fetcher = EpochFetcher(
-            stub=stub, target=self._target, streams=self._res.streams, job_id=self.job_id,
+            stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches, client_id=self._client_id,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
@@ -438,7 +452,7 @@ class RemoteDataLoader:
         self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                    progress, streams, resume.reshard if resume is not None else None)
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
-        self._res.epoch = weakref.ref(iterator)
+        lane.start(iterator)
         return iterator
 
     def state_dict(self) -> dict[str, Any]:
@@ -587,12 +601,8 @@ class RemoteDataLoader:
         self._length = length
         if self.job_id is None:  # not made yet: _connect() makes it of this definition
             return
-        release = self._res.release
-        if release is not None:  # the job of the old definition: its workers may drop it now
-            try:
-                release()
-            except DpexError as e:
-                log.debug("could not release the previous job: %s", e)
+        # The old definition's jobs are released once their epochs end (now, if none runs).
+        self._res.lanes.renew(Lane(0, self._res.new_streams()))
         self._create_job()
 
     def _connect(self) -> None:
@@ -608,14 +618,31 @@ class RemoteDataLoader:
         self._create_job()
 
     def _create_job(self) -> None:
-        """Gets or creates the job (again, if the dispatcher collected it)."""
-        stub, consumer_index, client_id = self._res.stub, self.consumer_index, self._client_id
-        self.job_id = job_id = self._call(stub.GetOrCreateJob, self._job_request).job_id
-        target = self._target  # the lambda must not hold the loader: it runs at its collection
-        self._res.release = lambda: call(
-            stub.ReleaseConsumer, dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=consumer_index,
-                                                             client_id=client_id),
-            target=target, timeout_s=5)
+        """Gets or creates the job of lane 0 (again, if the dispatcher collected it)."""
+        first = self._res.lanes.first
+        self.job_id = first.job_id = self._make_job(named=True)
+        first.release = self._releaser(first.job_id)
+
+    def _make_job(self, named: bool) -> int:
+        """The job's id: the loader's own (``named``), or an unnamed job of
+        the same definition, for another lane (dpex.client.lanes)."""
+        request = self._job_request
+        if not named and request.job.name:
+            request = dpb.GetOrCreateJobRequest()
+            request.CopyFrom(self._job_request)
+            request.job.name, request.settings_only = "", False
+        return self._call(self._res.stub.GetOrCreateJob, request).job_id
+
+    def _open_lane(self) -> Lane:
+        job_id = self._make_job(named=False)
+        return Lane(job_id, self._res.new_streams(), self._releaser(job_id))
+
+    def _releaser(self, job_id: int) -> Callable[[], None]:
+        """Releases this loader's consumer of ``job_id`` (at close, or once a lane is no longer needed)."""
+        stub, target = self._res.stub, self._target  # the lambda must not hold the loader: it runs at its collection
+        request = dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=self.consumer_index,
+                                             client_id=self._client_id)
+        return lambda: call(stub.ReleaseConsumer, request, target=target, timeout_s=5)
 
     def _inspect_one(self, address: str) -> wpb.InspectResponse | None:
         try:

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from dpex.client.stats import StatsMeter
 from dpex.client.buffers import read_exactly
 from dpex.client.fetcher import BatchFailed
+from dpex.errors import DpexCancelledError
 from dpex.wire.codec import ALIGN
 from dpex.wire.frame import payload_offset
 
@@ -154,6 +155,7 @@ class PinnedEpoch:
         self._key = epoch.key
         self._meter = meter
         self._done = False
+        self._left_why: str | None = None
         self._finalizer = weakref.finalize(self, self._pinner.stop)
         self._pinner.thread.start()
 
@@ -168,8 +170,15 @@ class PinnedEpoch:
         """Every batch of the epoch was yielded (pinned ones too)."""
         return self._done and self._pinner.epoch.finished
 
+    @property
+    def closed(self) -> bool:
+        """Ended: finished, left, or failed."""
+        return self._done
+
     def __next__(self) -> Any:
         if self._done:
+            if self._left_why is not None:
+                raise DpexCancelledError(self._left_why)
             raise StopIteration
         asked_at = time.monotonic()
         item = self._pinner.out.get()
@@ -188,8 +197,11 @@ class PinnedEpoch:
         self._meter.record(self._key, asked_at, nbytes)
         return batch
 
-    def close(self) -> None:
-        """Stops pinning; before the epoch's end, that is leaving it."""
+    def close(self, why: str | None = None) -> None:
+        """Stops pinning; before the epoch's end, that is leaving it (``why``:
+        another epoch took its place, which its next batch raises)."""
+        if why is not None and not self._done:
+            self._left_why = why
         self._done = True
         self._finalizer()
         if self._pinner.thread is not threading.current_thread():

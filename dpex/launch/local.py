@@ -23,6 +23,8 @@ from dpex import shm
 
 _log = logging.getLogger("dpex.launch")
 
+START_TIMEOUT_S = 120.0  # how long a daemon may take to serve, however loaded the machine
+
 
 @dataclass
 class Daemon:
@@ -106,7 +108,7 @@ class LocalCluster:
                  work_dir: str | None = None, consumer_timeout_s: float = DispatcherConfig.consumer_timeout_s, auth_token: str | None = None,
                  tls: tuple[str, str, str] | None = None, metrics: bool = False,
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
-                 start_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
                  drain_timeout_s: float = WorkerConfig.drain_timeout_s, log_dir: str | None = None,
                  own_session: bool = False) -> None:
         if num_workers < 0 or processes < 1:

@@ -248,3 +248,32 @@ print([b.tolist() for b in loader])
 """
     torch_out, dpex_out = both(tmp_path, f"{{loader}}\nexec({cell!r})\n")
     assert torch_out == dpex_out
+
+
+def test_two_iterators_over_one_loader_and_a_peek_inside_the_loop(tmp_path):
+    torch_out, dpex_out = both(tmp_path, MAP + """
+# (Not with persistent_workers=True: torch's one persistent iterator, reset by each iter(), hangs in zip.)
+loader = DataLoader(Squares(), batch_size=4, num_workers=2)
+print([(a.tolist(), b.tolist()) for a, b in zip(loader, loader)])
+seen = []
+for i, batch in enumerate(loader):
+    seen.append(batch.tolist())
+    if i % 2 == 0:
+        print("peek", next(iter(loader)).tolist())  # to log one batch: the loop's epoch goes on
+print(seen)
+""")
+    assert torch_out == dpex_out
+
+
+def test_a_resumed_epoch_takes_the_place_of_one_still_read_and_that_one_says_so(cluster):
+    import dpex
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=4, job_name="superseded", timeout=60) as loader:
+        old = iter(loader)
+        next(old)
+        state = loader.state_dict()
+        loader.load_state_dict(state)
+        resumed = [b["y"].tolist() for b in loader]
+        assert resumed == [list(range(i, i + 4)) for i in range(4, 40, 4)]
+        with pytest.raises(dpex.DpexCancelledError, match="resumed from a state dict"):
+            next(old)
