@@ -115,8 +115,10 @@ class EpochState:
                 "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
                 "places": self.place_batches() if explicit else None,
                 "reshard": self.reshard, "num_streams": self.num_streams,
-                "ends": dict(self.progress.ends), "done": [list(r) for r in self.progress.ranges()],
-                "stream_states": {k: (j, blob(state)) for k, (j, state) in self.progress.stream_states.items()}}
+                # Pairs, not dicts with int keys: a state survives a JSON round trip (keys become strings).
+                "ends": sorted([k, n] for k, n in self.progress.ends.items()),
+                "done": [list(r) for r in self.progress.ranges()],
+                "stream_states": [[k, j, blob(state)] for k, (j, state) in sorted(self.progress.stream_states.items())]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
@@ -130,8 +132,9 @@ class EpochState:
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
-                   progress=Progress([tuple(r) for r in d["done"]], d["num_streams"], d["ends"],
-                                     {k: (j, unblob(state)) for k, (j, state) in d["stream_states"].items()}))
+                   progress=Progress([tuple(r) for r in d["done"]], d["num_streams"],
+                                     {k: n for k, n in _pairs(d["ends"])},
+                                     {k: (j, unblob(state)) for k, (j, state) in _pairs(d["stream_states"])}))
 
     def index_batches(self) -> list[list[int]]:
         """Every index batch of the epoch, in seq order."""
@@ -212,6 +215,14 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
     base = sources[rank % len(sources)] or planned[0]
     batches = reshard(**args)
     return EpochState(base["epoch"], base["base_seed"], len(batches), batches=batches, reshard=args)
+
+
+def _pairs(value: Any) -> list[tuple[int, Any]]:
+    """(stream, value) from a state's list of ``[stream, *value]`` or from a
+    dict (older states; after a JSON round trip its keys are strings)."""
+    if isinstance(value, dict):
+        return [(int(k), tuple(v) if isinstance(v, list) else v) for k, v in value.items()]
+    return [(int(k), rest[0] if len(rest) == 1 else tuple(rest)) for k, *rest in value]
 
 
 def blob(data: bytes) -> Any:

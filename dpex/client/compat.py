@@ -116,7 +116,7 @@ class DpexDataLoader(DataLoader[_T_co]):
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
-                      pin_memory_device=pin_memory_device, num_workers=max(1, num_workers),
+                      pin_memory_device=pin_memory_device, num_workers=num_workers,
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
                       multiprocessing_context=multiprocessing_context, reproducible=reproducible)

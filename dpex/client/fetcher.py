@@ -170,11 +170,14 @@ class _Exit:
     the epoch, so that workers drop what they hold for it at once. Shared by
     close() and the fetcher's finalizer (an iterator dropped mid-epoch)."""
 
-    def __init__(self, control: Control, leave: Callable[[], None] | None, streams: StreamPool,
+    def __init__(self, control: Control, leave: Callable[[bool], None] | None, streams: StreamPool,
                  key: tuple[int, int, int]) -> None:
         self.control, self._leave = control, leave
         self._streams, self._key = streams, key
         self.finished = False
+        # The leaving is told before close() returns (else sent and not waited for): an epoch
+        # that another takes the place of (the same epoch, resumed) must be gone before that one is planned.
+        self.wait = False
         self._done = False
 
     def __call__(self) -> None:
@@ -185,7 +188,7 @@ class _Exit:
         self._streams.end_epoch(self._key)  # frames queued for it, and their files, go now
         if not self.finished and self._leave is not None:
             try:
-                self._leave()
+                self._leave(self.wait)
             except Exception as e:  # the dispatcher's consumer timeout does it later
                 log.debug("could not release the epoch: %s", e)
 
@@ -201,13 +204,14 @@ class EpochFetcher:
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
                  timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
-                 meter: StatsMeter | None = None, leave: Callable[[], None] | None = None,
+                 meter: StatsMeter | None = None, leave: Callable[[bool], None] | None = None,
                  progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
                  client_id: int = 0, health: Callable[[], BaseException | None] | None = None,
                  no_worker_s: float | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
-        ``leave()`` tells the dispatcher the epoch was left unfinished;
+        ``leave(wait)`` tells the dispatcher the epoch was left unfinished
+        (``wait``: before it returns);
         ``report(address, error)`` that a worker's stream broke (a worker found
         gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
@@ -473,5 +477,6 @@ class EpochFetcher:
         ``why`` (another epoch took its place), its next batch raises that."""
         if why is not None and not self._closed:
             self._left_why = why
+            self._exit.wait = True
         self._closed = True
         self._finalizer()

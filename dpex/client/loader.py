@@ -205,7 +205,9 @@ class RemoteDataLoader:
     the workers: worth it only where the network, not CPU, is the limit.
     An IterableDataset is iterated by ``num_workers`` streams, each in a
     process of its own that sees itself as worker k of ``num_workers``; its
-    batches come round-robin, as from torch's workers.
+    batches come round-robin, as from torch's workers. ``num_workers=0`` is
+    one stream that sees what torch's main process sees: ``get_worker_info()``
+    is None and ``worker_init_fn`` is not called (map-style jobs too).
     With ``reproducible`` (the default) a sample's random draws (torch,
     numpy, ``random``) are keyed by the epoch's base seed and the sample's
     place in the epoch's plan (see dpex.seeding), so they are the same
@@ -278,7 +280,8 @@ class RemoteDataLoader:
         job = dpb.JobDef(name=job_name or "", num_consumers=num_consumers, persistent_workers=persistent_workers,
                          **_code_fields(*self._code, bundled=self._instance is not None),
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
-                         unbatched=batch_size is None and batch_sampler is None, process_seeds=not reproducible)
+                         unbatched=batch_size is None and batch_sampler is None, process_seeds=not reproducible,
+                         main_process=num_workers == 0)
         self._unbatched, self._reproducible = job.unbatched, reproducible
         derived_name = not job.name and num_consumers > 1 and run is not None
         if derived_name:
@@ -322,7 +325,7 @@ class RemoteDataLoader:
             else:
                 self._dataset = self._inspect()
                 length, self._iterable = self._dataset.length, self._dataset.iterable
-            self._generator, self._num_streams = generator, num_workers
+            self._generator, self._num_streams = generator, max(1, num_workers)
             self._current: EpochState | None = None  # the epoch in progress, for state_dict()
             self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
             self._compact = compact_plans
@@ -436,7 +439,7 @@ class RemoteDataLoader:
                 lane.job_id = self._make_job(named=False)
             submit.job_id = lane.job_id
             num_batches = self._submit(submit, plan)
-        stub, request = self._res.stub, dpb.ReleaseConsumerRequest(
+        stub, target, request = self._res.stub, self._target, dpb.ReleaseConsumerRequest(
             job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id)
         fetcher = EpochFetcher(
             stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id,
@@ -444,7 +447,8 @@ class RemoteDataLoader:
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
             num_streams=streams, meter=self._meter,
-            leave=lambda: _send_and_forget(stub.ReleaseConsumer, request), progress=progress,
+            leave=lambda wait: (call(stub.ReleaseConsumer, request, target=target, timeout_s=5) if wait
+                                else _send_and_forget(stub.ReleaseConsumer, request)), progress=progress,
             report=lambda address, error: _send_and_forget(
                 stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)),
             health=self._res.cluster.failure if self.embedded else None,

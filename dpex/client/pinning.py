@@ -202,6 +202,7 @@ class PinnedEpoch:
         another epoch took its place, which its next batch raises)."""
         if why is not None and not self._done:
             self._left_why = why
+            self._pinner.epoch.close(why)  # from here: it is left before this returns
         self._done = True
         self._finalizer()
         if self._pinner.thread is not threading.current_thread():

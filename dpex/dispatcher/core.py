@@ -40,7 +40,7 @@ log = logging.getLogger("dpex.dispatcher")
 
 
 # JobDef fields by the loader argument that sets them.
-_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible"}
+_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible", "main_process": "num_workers"}
 _CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
 
 

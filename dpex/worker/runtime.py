@@ -53,6 +53,7 @@ class _Job(NamedTuple):
     length: int = -1       # len(dataset); -1: no __len__
     fingerprint: str = ""  # the dataset's own fingerprint, if it has one
     keyed: bool = True     # each sample's draws keyed by its place (dpex.seeding), not the process's
+    main_process: bool = False  # num_workers=0: get_worker_info() is None, no worker_init_fn (as torch)
 
 
 class _Context(NamedTuple):
@@ -122,7 +123,7 @@ def load_job(job_id: int, job_path: str) -> _Job:
     default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
     _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size,
                          job.drop_last, job.compression, job.unbatched, *describe_dataset(dataset),
-                         keyed=not job.process_seeds)
+                         keyed=not job.process_seeds, main_process=job.main_process)
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
@@ -150,14 +151,15 @@ def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
     _contexts[key] = _Context(become_worker(job, base_seed, _child_index, _num_children), [])
     while len(_contexts) > 4 * _MAX_CACHED_JOBS:
         _contexts.popitem(last=False)
-    if job.worker_init_fn is not None:
+    if job.worker_init_fn is not None and not job.main_process:
         marks = seeding.seed_marks()
         job.worker_init_fn(_child_index)
         _contexts[key] = _contexts[key]._replace(users=seeding.seeded_since(marks))
 
 
 def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -> Any:
-    """torch's worker set-up: seeds from ``base_seed + id`` and WorkerInfo."""
+    """torch's worker set-up: seeds from ``base_seed + id`` and WorkerInfo
+    (None for a job of ``num_workers=0``: torch's main process has none)."""
     import random
 
     import numpy as np
@@ -167,7 +169,8 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-    info = torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=job.dataset)
+    info = None if job.main_process else torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
+                                                                  dataset=job.dataset)
     torch_worker._worker_info = info
     return info
 

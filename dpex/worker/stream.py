@@ -10,7 +10,6 @@ runs more than ``buffer_batches`` ahead of the trainer.
 """
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import pickle
 from typing import Any, NamedTuple
@@ -34,10 +33,18 @@ _END = object()
 
 
 class _Resumable(NamedTuple):
-    """A stream's state after a batch: its dataset's ``state_dict()`` and,
-    for a job with keyed draws, its process's generators."""
+    """A stream's state after a batch: its dataset's ``state_dict()`` (None
+    when the dataset is its own iterator), for a job with keyed draws its
+    process's generators (else None), and its iterator's ``state_dict()``
+    when the iterator is Stateful (has both methods), as torchdata saves it."""
     dataset: Any
-    rng: tuple
+    rng: tuple | None
+    iterator: Any = None
+
+
+def _stateful(obj: Any) -> bool:
+    """torchdata's Stateful: ``state_dict`` and ``load_state_dict``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> None:
@@ -64,18 +71,26 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         job = runtime.load_job(split["job_id"], job_path)
         stage = "worker_init_fn"
         runtime.become_worker(job, split["base_seed"], split["stream"], split["num_streams"])
-        if job.worker_init_fn is not None:
+        if job.worker_init_fn is not None and not job.main_process:
             job.worker_init_fn(split["stream"])
-        stateful = callable(getattr(job.dataset, "state_dict", None))
-        if split["state"]:  # a resumed stream: where the dataset said it was after batch next-1
+        # Restored in torchdata's order: the dataset's state, then iter(), then the iterator's state.
+        saved = _Resumable(None, None)
+        if split["state"]:  # a resumed stream: where it said it was after batch next-1
             stage = "load_state_dict"
             saved = pickle.loads(split["state"])
-            if isinstance(saved, _Resumable):  # and where its generators were: it draws on as it would have
+            if not isinstance(saved, _Resumable):  # a job without keyed draws, before iterators were saved
+                saved = _Resumable(saved, None)
+            if saved.rng is not None:  # and where its generators were: it draws on as it would have
                 seeding.restore_global_states(saved.rng)
-                saved = saved.dataset
-            job.dataset.load_state_dict(saved)
+            if saved.dataset is not None:
+                job.dataset.load_state_dict(saved.dataset)
         stage = "iterate"
         samples = iter(job.dataset)
+        own = samples is job.dataset  # a dataset that is its own iterator: its state is the iterator's
+        if saved.iterator is not None and _stateful(samples):
+            stage = "load_state_dict"
+            samples.load_state_dict(saved.iterator)
+        stateful = (_stateful(job.dataset) and not own, _stateful(samples))
         while True:
             stage = "iterate"
             if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
@@ -84,16 +99,22 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
                     break
                 batch = item
             else:
-                batch = list(itertools.islice(samples, job.batch_size))
+                # next() on the iterator, as torch's fetcher: not islice, whose iter() would restart a
+                # dataset that is its own iterator (and resets itself in __iter__).
+                batch = []
+                while len(batch) < job.batch_size and (item := next(samples, _END)) is not _END:
+                    batch.append(item)
                 if not batch or (job.drop_last and len(batch) < job.batch_size):
                     break
             stage = "state_dict"  # a stream without one is resumed by running it again from its start
-            saved = job.dataset.state_dict() if stateful else None
+            states = (job.dataset.state_dict() if stateful[0] else None,
+                      samples.state_dict() if stateful[1] else None)
             stage = "collate"
             collated = runtime.collate(job, batch)
             state = b""
-            if stateful:  # the generators as collate_fn left them: where the next batch draws from
-                state = cloudpickle.dumps(_Resumable(saved, seeding.global_states()) if job.keyed else saved)
+            if any(stateful):  # the generators as collate_fn left them: where the next batch draws from
+                state = cloudpickle.dumps(_Resumable(states[0], seeding.global_states() if job.keyed else None,
+                                                     states[1]))
             stage = "encode"
             frame = b"".join(frame_parts(meta(split, j, stream_state=state), wire.encode_parts(collated)))
             if not send(frame):
