@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from dpex.client.loader import RemoteDataLoader
+from dpex.client.loader import RemoteDataLoader, _rebuild
 from dpex.client.options import Indices
 from dpex.dataset import DatasetSpec
 from dpex.client.stats import LoaderStats
@@ -77,7 +77,12 @@ class DpexDataLoader(DataLoader[_T_co]):
 
     In distribute mode it is a ``torch.utils.data.DataLoader`` (built by
     torch's own constructor, so its checks, messages, attributes and
-    ``len()`` are torch's) whose batches Dpex workers make.
+    ``len()`` are torch's) whose batches Dpex workers make. Every argument
+    stays on the instance under its name (``distribute_mode``,
+    ``head_address`` and ``reproducible`` too), so a rebuild from the
+    attributes (Lightning) is a Dpex loader again, and a pickled loader is
+    a new one of the same arguments where it is unpickled;
+    ``dispatcher_address`` is the dispatcher it chose.
     ``head_address`` says where loading runs:
     ``"auto"`` is ``$DPEX_DISPATCHER``, else the Ray cluster this machine
     belongs to (Dpex started on it, see :mod:`dpex.ray`), else an embedded
@@ -113,6 +118,15 @@ class DpexDataLoader(DataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True) -> None:
+        # Every argument as given, for a rebuild from the instance (Lightning reads the attributes named as
+        # __init__'s parameters) and for pickling (a spawned rank builds its own loader from them).
+        self._init_args = dict(
+            dataset=dataset, distribute_mode=distribute_mode, head_address=head_address, batch_size=batch_size,
+            shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler, num_workers=num_workers,
+            collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
+            pin_memory_device=pin_memory_device, reproducible=reproducible)
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
@@ -133,6 +147,7 @@ class DpexDataLoader(DataLoader[_T_co]):
             remote = self._remote
             super().__init__(_Stream(remote._length) if remote._iterable else Indices(remote._length), **torch_args)
             object.__setattr__(self, "dataset", dataset)  # past torch's guard: the spec is the dataset
+            self._keep_dpex_args()
             return
         # torch's own constructor: its checks with its words, its attributes.
         super().__init__(dataset, **torch_args)
@@ -143,11 +158,23 @@ class DpexDataLoader(DataLoader[_T_co]):
         self._remote = RemoteDataLoader(
             address, dataset, batch_size=self.batch_size if iterable else plan.pop("batch_size", 1),
             **common, **plan)
+        self._keep_dpex_args()
+
+    def _keep_dpex_args(self) -> None:
+        """Dpex's own arguments as instance attributes, as torch keeps its own."""
+        for name in ("distribute_mode", "head_address", "reproducible"):
+            object.__setattr__(self, name, self._init_args[name])
 
     @property
-    def head_address(self) -> str:
+    def dispatcher_address(self) -> str:
         """The dispatcher it chose (an embedded cluster's: once it serves)."""
         return self._remote.address
+
+    def __reduce__(self) -> Any:
+        """Pickles to its arguments: unpickled (say, in a spawned rank) it is a
+        new loader of them, which reaches the same dispatcher, or (``"auto"``
+        without one) that process's own embedded cluster."""
+        return _rebuild, (type(self), self._init_args)
 
     def set_epoch(self, epoch: int) -> None:
         self._remote.set_epoch(epoch)

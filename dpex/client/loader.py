@@ -122,6 +122,10 @@ def _start_method(context: Any) -> str | None:
     return context.get_start_method()
 
 
+def _rebuild(cls: type, args: dict[str, Any]) -> Any:
+    return cls(**args)
+
+
 class _Resources:
     """What a loader owns; closed once, by close() or when the loader is collected."""
 
@@ -237,6 +241,7 @@ class RemoteDataLoader:
                  compression: str | None = None, pin_memory_device: str = _O.pin_memory_device, shard: bool = True,
                  compact_plans: bool = True, multiprocessing_context: Any = None,
                  reproducible: bool = True) -> None:
+        self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         run = None
@@ -526,6 +531,12 @@ class RemoteDataLoader:
     def close(self) -> None:
         """Stops streams and threads, releases the job, stops an embedded cluster."""
         self._finalizer()
+
+    def __reduce__(self) -> Any:
+        """Pickles to its arguments: unpickled (a spawned rank) it is a new
+        loader of them: the same dispatcher, or that process's own embedded
+        cluster (``address=None``); its epochs and state are not carried."""
+        return _rebuild, (type(self), self._init_args)
 
     def __enter__(self) -> "RemoteDataLoader":
         return self

@@ -53,14 +53,14 @@ def test_same_batches_as_torch_with_generator_and_global_rng(cluster):
 def test_head_address_auto_reads_the_environment(cluster, monkeypatch):
     monkeypatch.setenv("DPEX_DISPATCHER", cluster.address)
     with DpexDataLoader(Squares(8), distribute_mode=True, batch_size=4) as dl:
-        assert dl.head_address == cluster.address and ys(dl) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert dl.dispatcher_address == cluster.address and ys(dl) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_head_address_forms_and_a_worker_given_for_the_dispatcher(cluster, monkeypatch):
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)
     for head in ("dpex://" + cluster.address, cluster.address):
         with DpexDataLoader(Squares(8), distribute_mode=True, head_address=head, batch_size=4) as dl:
-            assert dl.head_address == cluster.address and ys(dl) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            assert dl.dispatcher_address == cluster.address and ys(dl) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(dpex.DpexConfigError, match="is a Dpex worker, not the dispatcher"):
         DpexDataLoader(Squares(8), distribute_mode=True, head_address=cluster.workers[0].address)
 

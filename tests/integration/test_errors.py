@@ -99,7 +99,7 @@ def test_bad_arguments(cluster, kwargs, message):
     (dict(address="127.0.0.1:99999"), "bad address"),
     (dict(num_consumers=0), "num_consumers must be an integer >= 1"),
     (dict(num_consumers=2, consumer_index=-1), "consumer_index must be in 0..1"),
-    (dict(num_workers=0), "num_workers must be >= 1"),
+    (dict(num_workers=-1), "num_workers must be >= 0"),
     (dict(processes=0), "processes must be >= 1"),
     (dict(timeout=0), "timeout must be > 0"),
     (dict(connect_timeout=-1), "connect_timeout must be >= 0"),

@@ -68,7 +68,7 @@ def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_back
     assert [b.tolist() for b in train] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     started = [p for p in descendants(os.getpid()) if p not in before]
     val = dpex.DpexDataLoader(list(range(20, 23)), distribute_mode=True, batch_size=2, num_workers=1)
-    assert val.head_address == train.head_address  # the same dispatcher
+    assert val.dispatcher_address == train.dispatcher_address  # the same dispatcher
     assert [b.tolist() for b in val] == [[20, 21], [22]]
     train.close()
     val.close()

@@ -42,7 +42,7 @@ dataset.start = 0
 result["taken_at_iter"] = [b.tolist() for b in loader]
 init = oracle.InitSetsState()
 result["bound_init"] = [b.tolist() for b in DpexDataLoader(init, distribute_mode=True, head_address=address,
-                                                           batch_size=2, worker_init_fn=init.init)]
+                                                           batch_size=2, num_workers=1, worker_init_fn=init.init)]
 
 # A DatasetSpec built on the workers from their own files, no auto-batching, shuffled: the trainer
 # has a copy of its own only for torch's run, as the oracle.

@@ -108,7 +108,7 @@ def test_auto_finds_the_ray_cluster_and_reads_every_nodes_own_data(cluster):
     assert {n for b in batches for n in b["node"]} == {"node0", "node1", "node2"}
     endpoint = dpex.ray.status(cluster.address)
     assert endpoint is not None and len(endpoint.workers) == 3
-    assert dl.head_address == endpoint.address
+    assert dl.dispatcher_address == endpoint.address
 
 
 def test_train_digits_example_with_auto_equals_torch(cluster, tmp_path):
@@ -140,11 +140,11 @@ def test_every_form_of_head_address(cluster, monkeypatch):
     spec = DatasetSpec("dpex.testing.datasets:NodeFiles", 24)
     for head in (cluster.address, cluster.client_address):
         with DpexDataLoader(spec, distribute_mode=True, head_address=head, batch_size=4) as dl:
-            assert dl.head_address == endpoint.address and len(list(dl)) == 6
+            assert dl.dispatcher_address == endpoint.address and len(list(dl)) == 6
     monkeypatch.setenv("DPEX_AUTH_TOKEN", endpoint.auth_token)
     for head in ("dpex://" + endpoint.address, endpoint.address):
         with DpexDataLoader(spec, distribute_mode=True, head_address=head, batch_size=4) as dl:
-            assert dl.head_address == endpoint.address and len(list(dl)) == 6
+            assert dl.dispatcher_address == endpoint.address and len(list(dl)) == 6
 
 
 def worker_batches(endpoint) -> dict[str, int]:
