@@ -155,15 +155,19 @@ class DpexDataLoader(DataLoader[_T_co]):
         # Planned by this loader's own sampler, as torch plans: one sampler, which follows the dataset.
         plan: dict[str, Any] = ({} if iterable else dict(batch_sampler=batch_sampler) if batch_sampler is not None
                                 else dict(sampler=self.sampler, batch_size=self.batch_size))
-        self._remote = RemoteDataLoader(
+        # Past a framework's __setattr__ (see _framework_record): Lightning would set this loader's
+        # RemoteDataLoader again on the loader it rebuilds, which then planned with the old sampler.
+        object.__setattr__(self, "_remote", RemoteDataLoader(
             address, dataset, batch_size=self.batch_size if iterable else plan.pop("batch_size", 1),
-            **common, **plan)
+            **common, **plan))
         self._keep_dpex_args()
 
     def _keep_dpex_args(self) -> None:
-        """Dpex's own arguments as instance attributes, as torch keeps its own."""
+        """Dpex's own arguments as instance attributes, as torch keeps its own,
+        and in a framework's record of the arguments (see _framework_record)."""
         for name in ("distribute_mode", "head_address", "reproducible"):
             object.__setattr__(self, name, self._init_args[name])
+        _framework_record(self)
 
     @property
     def dispatcher_address(self) -> str:
@@ -206,3 +210,22 @@ class DpexDataLoader(DataLoader[_T_co]):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+# Lightning (lightning_fabric.utilities.data._wrap_init_method), while a *_dataloader hook runs, records on
+# each DataLoader the arguments of the outermost __init__ it patched, to rebuild it with a sampler of its
+# own, and the attributes set outside that __init__, which it sets again on the rebuilt loader. A class
+# imported inside the hook (``import dpex`` there) is not patched: torch's own __init__ then records
+# torch's arguments, without distribute_mode (the rebuild was torch's DataLoader), and what DpexDataLoader
+# sets after it counts as set from outside. The one reach into Lightning's private record;
+# tests/integration/test_lightning.py fails if it changes.
+_LIGHTNING_RECORD = ("__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names")
+
+
+def _framework_record(loader: "DpexDataLoader") -> None:
+    """Puts Dpex's arguments into a record that torch's __init__ made."""
+    kwargs = getattr(loader, _LIGHTNING_RECORD[1], None)
+    if not isinstance(kwargs, dict) or "distribute_mode" in kwargs:
+        return  # none, or made by DpexDataLoader.__init__ itself
+    for name, value in zip(_LIGHTNING_RECORD, ((), dict(loader._init_args), ())):
+        object.__setattr__(loader, name, value)
