@@ -1,0 +1,68 @@
+"""Accelerate with Dpex making the batches (issue 44): dpex.accelerate.prepare_data_loader,
+1 process and 2 (torchrun), with gradient accumulation."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from torch.utils.data import Dataset
+    from accelerate import Accelerator
+    import dpex
+    import dpex.accelerate
+
+    class Data(Dataset):
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            x = torch.randn(4)
+            return x, x.sum().reshape(1), i, dpex.sample_seed() is not None  # made in a Dpex batch process
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = dpex.DpexDataLoader(Data(), distribute_mode=True, batch_size=8, num_workers=1, shuffle=True)
+    loader = dpex.accelerate.prepare_data_loader(accelerator, loader)  # instead of accelerator.prepare(loader)
+    losses, out = [], []
+    for epoch in range(2):
+        seen, by_dpex, ends = [], [], []
+        for x, y, i, made_by_dpex in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            seen += i.tolist()
+            by_dpex += made_by_dpex.tolist()
+            ends.append(accelerator.gradient_state.end_of_dataloader)
+        out.append(dict(epoch=epoch, seen=seen, by_dpex=all(by_dpex), ends=ends))
+    with open(f"out-{accelerator.process_index}.json", "w") as f:
+        json.dump(dict(epochs=out, falls=sum(losses[-3:]) < sum(losses[:3])), f)
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_keeps_dpex_making_the_batches(tmp_path, processes):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    launch = (["train.py"] if processes == 1 else
+              ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "train.py"])
+    done = subprocess.run([sys.executable, *launch], cwd=tmp_path, capture_output=True, text=True, timeout=280,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(processes)]
+    for epoch in range(2):
+        epochs = [rank["epochs"][epoch] for rank in ranks]
+        assert all(e["by_dpex"] for e in epochs)  # never torch's workers in the trainer
+        assert sorted(i for e in epochs for i in e["seen"]) == list(range(64))  # each sample once across ranks
+        for e in epochs:  # accelerate's end-of-data tracking (gradient accumulation syncs on it)
+            assert e["ends"] == [False] * (len(e["ends"]) - 1) + [True]
+    assert all(rank["falls"] for rank in ranks)
