@@ -398,3 +398,20 @@ class OwnGenerator(Dataset):
         generator = dpex.sample_generator()
         return {"i": i, "x": torch.rand(3, generator=generator, dtype=torch.float64),
                 "seed": dpex.sample_seed() & 0xFFFFFFFF}
+
+
+class Regression(Dataset):
+    """Sample i: (x of ``dim`` normal draws, y = x.sum() as a 1-vector, i, whether a Dpex batch process
+    made it: dpex.sample_seed() is set there). For the framework tests: who made each batch, and a loss
+    that falls."""
+
+    def __init__(self, n: int = 64, dim: int = 4) -> None:
+        self.n, self.dim = n, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple:
+        import dpex
+        x = torch.randn(self.dim)
+        return x, x.sum().reshape(1), i, dpex.sample_seed() is not None

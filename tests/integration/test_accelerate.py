@@ -12,17 +12,10 @@ pytest.importorskip("accelerate")
 SCRIPT = textwrap.dedent("""
     import json
     import torch
-    from torch.utils.data import Dataset
     from accelerate import Accelerator
     import dpex
     import dpex.accelerate
-
-    class Data(Dataset):
-        def __len__(self):
-            return 64
-        def __getitem__(self, i):
-            x = torch.randn(4)
-            return x, x.sum().reshape(1), i, dpex.sample_seed() is not None  # made in a Dpex batch process
+    from dpex.testing.datasets import Regression as Data  # says whether a Dpex batch process made a sample
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = torch.nn.Linear(4, 1)

@@ -17,15 +17,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
     import pytorch_lightning as pl
-    from torch.utils.data import Dataset
-
-    class Data(Dataset):
-        def __len__(self):
-            return 64
-        def __getitem__(self, i):
-            import dpex
-            x = torch.randn(4)
-            return x, x.sum().reshape(1), i, dpex.sample_seed() is not None  # made in a Dpex batch process
+    from dpex.testing.datasets import Regression as Data  # says whether a Dpex batch process made a sample
 
     def loader():
         import dpex  # imported in the hook, as some scripts do
