@@ -36,7 +36,7 @@ from dpex.plan import samplers
 from dpex.plan.spec import chunks
 from dpex.config import CLAIM_HELD_S
 from dpex.errors import (CONSUMER_IN_USE, JOB_COLLECTED, DpexConfigError, DpexConflictError, DpexConnectionError,
-                         DpexError, DpexNotFoundError, rebuild)
+                         DpexNotFoundError, rebuild)
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb

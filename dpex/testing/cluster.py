@@ -25,6 +25,21 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
 test_cluster.__test__ = False  # not a pytest test, despite the name
 
 
+def kill_at(code: str, *args: str, line: str = "mid-epoch") -> None:
+    """Runs ``python -c CODE ARGS`` until it prints ``line``, then kills it
+    (SIGKILL): a trainer dying at a point of its own choosing."""
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        got = process.stdout.readline()
+        assert got == line + "\n", f"expected {line!r}, got {got!r}"
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
 def oracle_context() -> Any:
     """The start method for torch's DataLoader as a test's oracle, in a process
     that runs gRPC threads (fork could copy one mid-call): a forkserver that has

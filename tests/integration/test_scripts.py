@@ -3,7 +3,6 @@ its own: once with torch's DataLoader, once with Dpex's (the import line
 swapped), and what the two print compared. Torch's own suite cannot show
 these: its datasets live in an importable test module, never in a script's
 ``__main__``."""
-import os
 import subprocess
 import sys
 import textwrap
