@@ -31,7 +31,7 @@ from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec, describe_dataset
-from dpex.launch.head import resolve
+from dpex.launch.head import announce, resolve
 from dpex.plan import samplers
 from dpex.plan.spec import chunks
 from dpex.config import CLAIM_HELD_S
@@ -300,7 +300,7 @@ class RemoteDataLoader:
                 stacklevel=2)
         self.job_name = job.name or None
         self._named_job = bool(job_name)
-        address, token = resolve(opts.address, token, ca, given_token=auth_token)
+        address, token, self._embedded_why = resolve(opts.address, token, ca, given_token=auth_token)
         self._token = token
         self._res = _Resources(token, ca, shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -627,6 +627,8 @@ class RemoteDataLoader:
         if self._res.stub is not None:
             return
         self._address = self.address
+        if self._embedded_why:  # named once it serves: a loader built and dropped unused says nothing
+            announce("loading on an embedded local cluster (%s): dispatcher %s", self._embedded_why, self._address)
         self._target = f"dispatcher {self._address}"
         self._res.channel = channel(self._address, self._token, self._tls_ca)
         self._res.stub = dgrpc.DispatcherStub(self._res.channel)

@@ -148,23 +148,24 @@ def _auto() -> Head:
 
 
 def resolve(address: str | None, token: str | None, tls_ca: bytes | None,
-            given_token: str | None = None) -> tuple[str | None, str | None]:
+            given_token: str | None = None) -> tuple[str | None, str | None, str]:
     """(the dispatcher's HOST:PORT, or None for an embedded cluster; the
-    token to send) for what a loader's ``address`` names. On a Ray cluster
-    Dpex is found or started there, and its token is sent unless the loader
-    was ``given_token``."""
+    token to send; for an embedded cluster chosen by ``"auto"``, why, which
+    the loader says once the cluster serves: a loader built and dropped
+    unused names none) for what a loader's ``address`` names. On a Ray
+    cluster Dpex is found or started there, and its token is sent unless the
+    loader was ``given_token``."""
     if address is None:
-        return None, token
+        return None, token, ""
     head = choose(address, token, tls_ca)
     if head.kind == "dispatcher":
         if address == "auto":  # a choice made for the user is said; a dispatcher they named is not
             announce("loading on the Dpex dispatcher at %s (%s)", head.address, head.why)
-        return head.address, token
+        return head.address, token, ""
     if head.kind == "embedded":
-        announce("loading on an embedded local cluster (head_address=%r: %s)", address, head.why)
-        return None, token
+        return None, token, f"head_address={address!r}: {head.why}"
     from dpex.launch.ray import start
     endpoint = start(head.address)
     announce("loading on the Ray cluster at %s (%s): Dpex dispatcher %s, workers on %d nodes",
              head.address, head.why, endpoint.address, len(endpoint.workers))
-    return endpoint.address, given_token or endpoint.auth_token
+    return endpoint.address, given_token or endpoint.auth_token, ""

@@ -69,3 +69,22 @@ def test_it_pickles_to_its_arguments_and_unpickles_to_a_new_loader_elsewhere(clu
         assert ys(dl) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the original is untouched
     finally:
         dl.close()
+
+
+def test_the_embedded_cluster_is_named_when_it_first_serves_not_when_a_loader_is_built(caplog, monkeypatch):
+    # A framework may build a loader and drop it unused (it makes its own): that loader says nothing.
+    import logging
+    monkeypatch.delenv("DPEX_DISPATCHER", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    caplog.set_level(logging.INFO, logger="dpex.launch")
+    unused = dpex.DpexDataLoader(Squares(8), distribute_mode=True, batch_size=4)
+    unused.close()
+    assert "embedded" not in caplog.text
+    used = dpex.DpexDataLoader(Squares(8), distribute_mode=True, batch_size=4)
+    try:
+        assert ys(used) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        said = [r.getMessage() for r in caplog.records if "embedded local cluster" in r.getMessage()]
+        assert len(said) == 1 and f"dispatcher {used.dispatcher_address}" in said[0], said
+        assert "head_address='auto'" in said[0]
+    finally:
+        used.close()
