@@ -69,7 +69,11 @@ def test_thousands_of_long_polls_are_held_without_a_thread_each():
         pid = c.dispatcher.process.pid
         at_rest = threads(pid)
         first, took, busiest, woken = asyncio.run(_fleet(c.address, pid))
-        assert min(first) < 0.25 * INTERVAL_S and max(first) > 0.75 * INTERVAL_S
+        # Spread over the interval. The spread, not the earliest answer, shows it: on a loaded machine
+        # taking 3,000 calls at once delays every answer alike (a fresh clone's run once saw its earliest
+        # at 0.77 s, beside two-process Lightning and torchrun tests, with a spread of 2.3 s).
+        assert max(first) - min(first) > 0.5 * INTERVAL_S and max(first) > 0.75 * INTERVAL_S, \
+            (min(first), max(first))
         assert len(took) == POLLS
         # Held, not answered at once for want of room; answered by the interval.
         assert min(took) >= 0.75 * INTERVAL_S, min(took)
