@@ -91,10 +91,6 @@ class Lanes:
         for lane in stale:
             (self._stale.append(lane) if lane.busy else lane.close())
 
-    def close_epochs(self) -> None:
-        for lane in self.all():
-            lane.close_epoch()
-
     def all(self) -> list[Lane]:
         return [self.first, *self._extra, *self._stale]
 
