@@ -286,7 +286,7 @@ class RemoteDataLoader:
                          **_code_fields(*self._code, bundled=self._instance is not None),
                          batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
                          unbatched=batch_size is None and batch_sampler is None, process_seeds=not reproducible,
-                         main_process=num_workers == 0)
+                         main_process=num_workers == 0, out_of_order=not ordered)
         self._unbatched, self._reproducible = job.unbatched, reproducible
         derived_name = not job.name and num_consumers > 1 and run is not None
         if derived_name:

@@ -40,7 +40,8 @@ log = logging.getLogger("dpex.dispatcher")
 
 
 # JobDef fields by the loader argument that sets them.
-_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible", "main_process": "num_workers"}
+_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible", "main_process": "num_workers",
+             "out_of_order": "in_order"}
 _CODE = {"dataset", "collate", "worker_init_fn"}  # pickled code
 
 

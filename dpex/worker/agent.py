@@ -28,6 +28,7 @@ class DispatcherAgent:
         self._address = address
         self._scheduler = scheduler
         self._job_dir = job_dir
+        self._out_of_order: dict[int, bool] = {}  # by job: its batches may pass a busy batch process
         self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
@@ -102,6 +103,9 @@ class DispatcherAgent:
     def ensure_job(self, job_id: int) -> None:
         path = self.job_path(job_id)
         if os.path.exists(path):
+            if job_id not in self._out_of_order:  # written before this daemon started: its job dir is kept
+                with open(path, "rb") as f:
+                    self._out_of_order[job_id] = dpb.JobDef.FromString(f.read()).out_of_order
             return
         job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id), timeout_s=30).job
         # A file of this call's own: two trainers may ask about one job at once.
@@ -109,6 +113,11 @@ class DispatcherAgent:
         with os.fdopen(fd, "wb") as f:
             f.write(job.SerializeToString())
         os.replace(tmp, path)
+        self._out_of_order[job_id] = job.out_of_order
+
+    def out_of_order(self, job_id: int) -> bool:
+        """The job's batches may pass a busy batch process (in_order=False)."""
+        return self._out_of_order.get(job_id, False)
 
     def _run(self) -> None:
         interval = self._config.heartbeat_interval_s

@@ -13,7 +13,8 @@ import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
 
 from dpex import shm
 from dpex.worker import runtime
@@ -23,9 +24,18 @@ log = logging.getLogger("dpex.worker")
 
 __all__ = ["BatchPool", "crash_frame"]
 
+_MAX_LANES = 1024  # consumers' epochs whose cycle position is kept
+
 
 class BatchPool:
-    """A pool of N processes; a crashed child fails its batch, not the daemon."""
+    """N processes, each with a queue of its own, as torch's DataLoader
+    workers: the k-th batch of a consumer's epoch goes to process k mod N
+    (get_worker_info().id shows it). A batch that may pass (in_order=False)
+    skips a process that has ``PREFETCH`` batches to make already (a slow
+    sample), as torch's does. A crashed child fails its batches, not the
+    daemon, and is started again alone."""
+
+    PREFETCH = 2  # batches queued at one process before the cycle passes it by: torch's prefetch_factor
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
                  handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False) -> None:
@@ -39,49 +49,79 @@ class BatchPool:
         # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
         self._address = multiprocessing.RawArray("c", 256)
         self.set_address(worker_address)
-        self._fork = fork
+        # Each child writes its pid and the sample it reads here: what its death (a segfault) reports.
+        self._slots = multiprocessing.RawArray("q", [-1] * (2 * processes))
         self._lock = threading.Lock()
         self._closed = False
         self._last_death: tuple[int, int, int] | None = None
+        self._queued = [0] * processes  # batches given to each child and not finished
+        self._count_lock = threading.Lock()  # for _queued: taken in the executors' callbacks, under no other lock
+        self._cycle: OrderedDict[Hashable, int] = OrderedDict()  # each lane's next child
         self.handoff_dir = shm.make_dir() if shared_memory else None
-        self._executor = self._start()
+        self._children = [self._child(i, fork) for i in range(processes)]
+        if fork:  # every child forked before any executor runs its thread: the daemon has none yet
+            for child in self._children:
+                child._launch_processes()
+        # Start every child now, not at the first batch, without waiting for
+        # them to import torch: the daemon serves meanwhile, and a batch asked
+        # for waits for a child, as it would anyway. Started from this thread:
+        # a child dies with the thread that started it (PR_SET_PDEATHSIG).
+        for child in self._children:
+            child.submit(runtime.warm_up)
+        # The processes, kept here: a broken executor may have let go of them when death() asks.
+        self._processes_of = [self._process_of(child) for child in self._children]
 
     def set_address(self, worker_address: str) -> None:
         """The worker's address, as its batch processes report it."""
         self._address.value = worker_address.encode()[:255]
 
-    def _start(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("fork" if self._fork else "spawn")
-        self._fork = False  # the daemon runs threads from now on
-        # Each child writes its pid and the sample it reads here: what its death (a segfault) reports.
-        self._slots = context.Array("q", [-1] * (2 * self._processes), lock=False)
-        executor = ProcessPoolExecutor(max_workers=self._processes, mp_context=context,
-                                       initializer=runtime.init_child,
-                                       initargs=(self._address, context.Value("i", 0), self._processes,
-                                                 self.handoff_dir, self._handoff_min_bytes, os.getpid(),
-                                                 self._slots))
-        # Start every child now, not at the first batch, without waiting for
-        # them to import torch: the daemon serves meanwhile, and a batch asked
-        # for waits for a child, as it would anyway. Started from this thread:
-        # a child dies with the thread that started it (PR_SET_PDEATHSIG).
-        for _ in range(self._processes):
-            executor.submit(runtime.warm_up)
-        # The processes, kept here: a broken executor may have let go of them when death() asks.
-        self._children = list(getattr(executor, "_processes", {}).values())
-        return executor
+    def _child(self, index: int, fork: bool) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("fork" if fork else "spawn")
+        return ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=runtime.init_child,
+                                   initargs=(self._address, index, self._processes, self.handoff_dir,
+                                             self._handoff_min_bytes, os.getpid(), self._slots))
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    @staticmethod
+    def _process_of(child: ProcessPoolExecutor) -> Any:
+        return next(iter(getattr(child, "_processes", {}).values()), None)
+
+    def _route(self, lane: Hashable | None, passing: bool) -> int:
+        """The child for the next batch of ``lane`` (None: the least busy)."""
+        if lane is None:
+            return min(range(self._processes), key=self._queued.__getitem__)
+        start = self._cycle.pop(lane, 0) % self._processes
+        index = next((i % self._processes for i in range(start, start + self._processes)
+                      if self._queued[i % self._processes] < self.PREFETCH), start) if passing else start
+        self._cycle[lane] = index + 1
+        while len(self._cycle) > _MAX_LANES:
+            self._cycle.popitem(last=False)
+        return index
+
+    def submit(self, fn: Callable[..., Any], *args: Any, lane: Hashable | None = None,
+               passing: bool = False) -> Future:
+        """Runs ``fn(*args)`` in a child: the next in ``lane``'s cycle (a
+        consumer's epoch; ``passing``: the next not busy), or the least busy."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is closed")
+            index = self._route(lane, passing)
             try:
-                return self._executor.submit(fn, *args)
+                future = self._children[index].submit(fn, *args)
             except BrokenProcessPool:
-                self._last_death = self._death_of(self._children)  # its batch's frame may not be made yet
-                log.error("a batch process died; restarting the pool")
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._start()
-                return self._executor.submit(fn, *args)
+                self._last_death = self._death_of(self._processes_of)  # its batch's frame may not be made yet
+                log.error("batch process %d died; starting it again", index)
+                self._children[index].shutdown(wait=False, cancel_futures=True)
+                self._children[index] = self._child(index, fork=False)  # the daemon runs threads now
+                future = self._children[index].submit(fn, *args)
+                self._processes_of[index] = self._process_of(self._children[index])
+            with self._count_lock:
+                self._queued[index] += 1
+        future.add_done_callback(lambda _, index=index: self._finished(index))
+        return future
+
+    def _finished(self, index: int) -> None:
+        with self._count_lock:
+            self._queued[index] -= 1
 
     @property
     def closed(self) -> bool:
@@ -92,16 +132,17 @@ class BatchPool:
         """The pid, exit code and the sample it was reading (-1: none known) of
         a process that died by itself (a signal other than the pool's own
         SIGTERM first), when the pool just broke."""
-        # No lock: it is called from the executor's callbacks, which close() waits for with the lock held.
-        if self._closed or self._executor is None:
+        # No lock: it is called from the executors' callbacks, which close() waits for with the lock held.
+        if self._closed:
             return None
-        return self._death_of(self._children) or self._last_death
+        return self._death_of(self._processes_of) or self._last_death
 
-    def _death_of(self, children: list) -> tuple[int, int, int] | None:
-        for p in children:  # exited, but its status may be being read by the executor's thread: wait for it
+    def _death_of(self, processes: list) -> tuple[int, int, int] | None:
+        processes = [p for p in processes if p is not None]
+        for p in processes:  # exited, but its status may be being read by the executor's thread: wait for it
             if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
                 p.join(1.0)
-        dead = [(p.pid, p.exitcode) for p in children if p.exitcode not in (None, 0)]
+        dead = [(p.pid, p.exitcode) for p in processes if p.exitcode not in (None, 0)]
         dead.sort(key=lambda d: d[1] == -signal.SIGTERM)
         if not dead:
             return None
@@ -117,13 +158,15 @@ class BatchPool:
             if self._closed:
                 return
             self._closed = True
-            for process in list(getattr(self._executor, "_processes", {}).values()):
-                if process.is_alive():
-                    process.terminate()
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            # Its queues and locks are named semaphores in /dev/shm, unlinked
+            for child in self._children:
+                for process in list(getattr(child, "_processes", {}).values()):
+                    if process.is_alive():
+                        process.terminate()
+            for child in self._children:
+                child.shutdown(wait=True, cancel_futures=True)
+            # Their queues and locks are named semaphores in /dev/shm, unlinked
             # when collected: not kept alive by a closed pool still referenced.
-            self._executor = None  # type: ignore[assignment]
+            self._children = []
             shm.remove_dir(self.handoff_dir)
 
 

@@ -125,9 +125,10 @@ class MapRunner:
                     self.batches[i] if self.error is None else [], self.split.base_seed,
                     explicit is not None and explicit.whole, self.places[i] if self.places else [])
 
-    def start(self, key: Key, pool: BatchPool, job_path: str, worker_address: str) -> Future:
+    def start(self, key: Key, pool: BatchPool, job_path: str, worker_address: str, passing: bool = False) -> Future:
         """Makes batch ``key`` in the pool: a future of its frame, which is
-        the batch's error where it failed. RuntimeError: the pool is closing."""
+        the batch's error where it failed (``passing``: it may pass a busy
+        process). RuntimeError: the pool is closing."""
         task = self.task(key, job_path)
         made: Future = Future()
         if self.error is not None:
@@ -145,7 +146,9 @@ class MapRunner:
                     log.error("batch failed in the pool: %s", e, extra=where)
                 frame = crash_frame(task, e, worker_address, death=pool.death())
             made.set_result(frame)
-        pool.submit(produce, task).add_done_callback(done)
+        # A consumer's epoch cycles through the processes, as torch's index queues.
+        pool.submit(produce, task, lane=(key.job_id, key.consumer_index, key.epoch),
+                    passing=passing).add_done_callback(done)
         return made
 
     def take(self, key: Key) -> Frame | None:

@@ -39,8 +39,11 @@ log = logging.getLogger("dpex.worker")
 class Scheduler:
     def __init__(self, pool: BatchPool, job_path: Callable[[int], str], *, buffer_batches: int,
                  max_inflight: int, worker_address: str, meter: Meter | None = None,
-                 unknown_grace_s: float = 5.0, buffer_bytes: int = 1 << 30) -> None:
+                 unknown_grace_s: float = 5.0, buffer_bytes: int = 1 << 30,
+                 out_of_order: Callable[[int], bool] = lambda job_id: False) -> None:
+        """``out_of_order(job_id)``: the job's batches may pass a busy batch process."""
         self._pool = pool
+        self._out_of_order = out_of_order
         self.meter = meter or Meter(max_inflight)
         self._job_path = job_path
         self._buffer = buffer_batches
@@ -263,7 +266,8 @@ class Scheduler:
                     self._ahead.add(key)
                     self._budget.started(key.consumer)
                 try:
-                    made = runner.start(key, self._pool, self._job_path(key.job_id), self._address)
+                    made = runner.start(key, self._pool, self._job_path(key.job_id), self._address,
+                                        passing=self._out_of_order(key.job_id))
                 except RuntimeError:  # closing
                     return
                 self._running.add(key)

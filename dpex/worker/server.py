@@ -101,7 +101,7 @@ class WorkerServer:
         self.metrics: MetricsServer | None = None
         self.data_port: DataPort | None = None
         try:
-            self.scheduler = Scheduler(self.pool, self._job_path,
+            self.scheduler = Scheduler(self.pool, self._job_path, out_of_order=self._out_of_order,
                                        buffer_batches=config.buffer_batches,
                                        buffer_bytes=config.buffer_bytes,
                                        max_inflight=2 * config.processes,
@@ -153,6 +153,10 @@ class WorkerServer:
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None
         return self.agent.job_path(job_id)
+
+    def _out_of_order(self, job_id: int) -> bool:
+        assert self.agent is not None
+        return self.agent.out_of_order(job_id)
 
     def _inspect(self, job_id: int) -> bytes:
         assert self.agent is not None

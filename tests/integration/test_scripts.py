@@ -276,3 +276,34 @@ def test_a_resumed_epoch_takes_the_place_of_one_still_read_and_that_one_says_so(
         assert resumed == [list(range(i, i + 4)) for i in range(4, 40, 4)]
         with pytest.raises(dpex.DpexCancelledError, match="resumed from a state dict"):
             next(old)
+
+
+def test_a_segfault_in_a_spawned_trainers_worker_is_reported_as_torchs(tmp_path):
+    """torch's test_segfault: the trainer is itself a spawned child process."""
+    torch_out, dpex_out = both(tmp_path, """
+import ctypes, re
+import torch.multiprocessing as mp
+from torch.utils.data import Dataset
+{loader}
+class Segfaults(Dataset):
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        return ctypes.string_at(0)
+
+def train(queue):
+    try:
+        next(iter(DataLoader(Segfaults(), batch_size=2, num_workers=2)))
+    except RuntimeError as e:
+        queue.put(str(e))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    trainer = ctx.Process(target=train, args=(queue,))
+    trainer.start()
+    message = queue.get(timeout=120)
+    trainer.join(60)
+    print(trainer.exitcode, bool(re.search(r"DataLoader worker \\(pid\\(?s?\\)? \\d+\\) (is killed by signal|exited unexpectedly)", message)))
+""")
+    assert torch_out == dpex_out == "0 True\n"

@@ -560,3 +560,64 @@ def test_a_segfault_names_the_signal_and_the_sample(cluster):
             for batch in dl:
                 got.append(batch.tolist())
     assert got == [[0, 1], [2, 3]] and info.value.sample_index == 5
+
+
+# ---- each worker has its queue (torch's TestIndividualWorkerQueue, TestOutOfOrderDataLoader) ---------------
+class WorkerQueue(Dataset):
+    """torch's TestWorkerQueueDataset: each sample says which worker made it."""
+
+    def __init__(self, data):
+        self.data = data
+        self.worker_id = None
+
+    def worker_init_fn(self, worker_id):
+        self.worker_id = worker_id
+
+    def __getitem__(self, item):
+        return self.worker_id, self.data[item]
+
+    def __len__(self):
+        return len(self.data)
+
+
+@pytest.mark.parametrize("batch_size,num_workers", [(8, 1), (8, 3), (32, 5)])
+def test_batch_i_is_made_by_worker_i_mod_n_as_torchs_index_queues(batch_size, num_workers):
+    dataset = WorkerQueue(list(range(128)))
+    outcomes = []
+    for cls, extra in ((DataLoader, {}), (DpexDataLoader, dict(distribute_mode=True))):  # the embedded cluster
+        loader = cls(dataset, batch_size=batch_size, num_workers=num_workers, timeout=60,
+                     worker_init_fn=dataset.worker_init_fn, **extra)
+        outcomes.append([(ids.tolist(), samples.tolist()) for ids, samples in loader])
+    assert outcomes[0] == outcomes[1]
+    assert [ids[0] for ids, _ in outcomes[1]] == [i % num_workers for i in range(128 // batch_size)]
+
+
+class SlowFirst(Dataset):
+    """torch's TestSlowIndexDataset, whose sample 0 is slow: here it waits until the last sample is made."""
+
+    def __init__(self, end, flag):
+        self.end, self.flag = end, flag
+
+    def __getitem__(self, idx):
+        if idx == 0:
+            while not os.path.exists(self.flag):
+                os.sched_yield()
+        if idx == self.end - 1:
+            open(self.flag, "w").close()
+        return torch.utils.data.get_worker_info().id, idx
+
+    def __len__(self):
+        return self.end
+
+
+def test_out_of_order_batches_pass_a_slow_worker_as_torchs(tmp_path):
+    outcomes = []
+    for cls, extra in ((DataLoader, {}), (DpexDataLoader, dict(distribute_mode=True))):
+        flag = tmp_path / cls.__name__
+        loader = cls(SlowFirst(10, str(flag)), num_workers=2, prefetch_factor=2, in_order=False, timeout=60, **extra)
+        outcomes.append([(int(w), int(i)) for w, i in loader])
+    # worker 0 is held by sample 0 with sample 2 queued behind it; worker 1 makes all the rest
+    assert outcomes[0] == [(1, 1), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 9), (0, 0), (0, 2)]
+    # Which of sample 0 and the batches made ahead of the trainer's asks comes first follows timing
+    assert sorted(outcomes[1]) == sorted(outcomes[0])
+    assert [s for s in outcomes[1] if s[1] in (0, 1, 2, 3)] == [(1, 1), (1, 3), (0, 0), (0, 2)]
