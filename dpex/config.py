@@ -76,6 +76,7 @@ class WorkerConfig:
     data_port: int | None = 0            # frames to other hosts on a TCP socket; 0: a free port, None: off
     drain_timeout_s: float = 2.0         # on SIGTERM, answer in-flight calls this long, then kill and exit
     data_paths: tuple[str, ...] = ()     # local data this node must have; a worker without one refuses to start
+    in_turn: bool = False                # batch processes take a consumer's batches in turn, as torch's workers
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")

@@ -48,6 +48,11 @@ _W = WorkerConfig  # its fields' defaults are the flags'
 @click.option("--drain-timeout", type=float, default=_W.drain_timeout_s, envvar="DPEX_DRAIN_TIMEOUT", show_envvar=True,
               help="On SIGTERM: seconds to answer what is in flight after deregistering (the dispatcher "
               "hands this worker's splits to others at once); then batch processes are killed and it exits.")
+@click.option("--in-turn/--no-in-turn", default=_W.in_turn, envvar="DPEX_IN_TURN", show_envvar=True,
+              help="Batch process k makes batches k, k+N, k+2N... of each consumer's epoch, as torch's DataLoader "
+              "workers do (get_worker_info().id as in torch); with in_order=False a batch still passes a busy "
+              "process. Default: a batch goes to the next process with room, which keeps them all busy when "
+              "they run at different speeds.")
 @click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,
               help="Local data this node must have (repeatable; environment variables in it are expanded; "
               "DPEX_DATA_PATH: paths separated by ':'); without it the worker refuses to start, naming the path.")
@@ -60,7 +65,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
          buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float,
          connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
-         data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
+         in_turn: bool, data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
@@ -86,7 +91,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
                               data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
-                              data_paths=tuple(data_paths))
+                              data_paths=tuple(data_paths), in_turn=in_turn)
         pool = forked_pool(config)
         try:
             server = WorkerServer(config, pool=pool)
@@ -115,7 +120,7 @@ def forked_pool(config: WorkerConfig):
         return None
     import torch  # noqa: F401 - what the forked processes inherit
     return BatchPool(config.processes, shared_memory=config.shared_memory, handoff_min_bytes=config.shm_min_bytes,
-                     fork=True)
+                     fork=True, in_turn=config.in_turn)
 
 
 if __name__ == "__main__":

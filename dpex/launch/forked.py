@@ -137,14 +137,15 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
 
     setup("info")
     # First, while this process has one thread: the batch processes, forked with torch imported.
-    pool = BatchPool(processes, fork=True)
+    # Its processes are the loader's num_workers: they take its batches in turn, as torch's workers.
+    pool = BatchPool(processes, fork=True, in_turn=True)
     try:
         reuse_freed_memory()  # as dpex-worker; after the fork: the batch processes keep glibc's defaults
         address = _read_address(address_pipe)
         if not address:
             return  # the dispatcher did not start: the trainer reports why
         config = WorkerConfig(dispatcher=address, host=host, port=0, processes=processes, auth_token=auth_token,
-                              drain_timeout_s=0)  # nobody else uses it: nothing to drain
+                              in_turn=True, drain_timeout_s=0)  # nobody else uses it: nothing to drain
         server = WorkerServer(config, pool=pool)
     except BaseException:
         pool.close()

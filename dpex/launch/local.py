@@ -355,7 +355,7 @@ class _Shared:
                 # In a session of their own: the trainer decides what a Ctrl-C does (they stop with it).
                 self._cluster = LocalCluster(num_workers=0 if self._forked else 1, processes=processes,
                                              auth_token=token, drain_timeout_s=0, log_dir=self._log_dir,
-                                             own_session=True)
+                                             own_session=True, worker_flags=("--in-turn",))
                 if self._forked:
                     os.write(self._address_pipe, f"{self._cluster.address}\n".encode())
             finally:

@@ -28,23 +28,25 @@ _MAX_LANES = 1024  # consumers' epochs whose cycle position is kept
 
 
 class BatchPool:
-    """N processes, each with a queue of its own, as torch's DataLoader
-    workers: the k-th batch of a consumer's epoch goes to process k mod N
-    (get_worker_info().id shows it). A batch that may pass (in_order=False)
-    skips a process that has ``PREFETCH`` batches to make already (a slow
-    sample), as torch's does. A crashed child fails its batches, not the
+    """N processes, each with a queue of its own. A consumer's epoch cycles
+    through them; a batch passes a process that has ``PREFETCH`` batches to
+    make already (a slow sample, a core shared with the daemon), as torch's
+    DataLoader does with in_order=False. ``in_turn``: as torch's workers do
+    otherwise, the k-th batch goes to process k mod N whatever its queue, and
+    get_worker_info().id shows it. A crashed child fails its batches, not the
     daemon, and is started again alone."""
 
     PREFETCH = 2  # batches queued at one process before the cycle passes it by: torch's prefetch_factor
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
-                 handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False) -> None:
+                 handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False, in_turn: bool = False) -> None:
         """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
         back as /dev/shm files (dpex.shm), else through the pipe.
         ``fork``: fork the first processes (only in a process with no other
         thread yet); ones started after a crash are spawned. The address may
         be given later (:meth:`set_address`)."""
         self._processes = processes
+        self._in_turn = in_turn
         self._handoff_min_bytes = handoff_min_bytes
         # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
         self._address = multiprocessing.RawArray("c", 256)
@@ -86,12 +88,13 @@ class BatchPool:
         return next(iter(getattr(child, "_processes", {}).values()), None)
 
     def _route(self, lane: Hashable | None, passing: bool) -> int:
-        """The child for the next batch of ``lane`` (None: the least busy)."""
+        """The child for the next batch of ``lane`` (None: the least busy);
+        ``passing``: it may pass a busy one, even in turn."""
         if lane is None:
             return min(range(self._processes), key=self._queued.__getitem__)
         start = self._cycle.pop(lane, 0) % self._processes
         index = next((i % self._processes for i in range(start, start + self._processes)
-                      if self._queued[i % self._processes] < self.PREFETCH), start) if passing else start
+                      if self._queued[i % self._processes] < self.PREFETCH), start) if passing or not self._in_turn else start
         self._cycle[lane] = index + 1
         while len(self._cycle) > _MAX_LANES:
             self._cycle.popitem(last=False)

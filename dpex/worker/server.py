@@ -94,7 +94,7 @@ class WorkerServer:
         self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
         if pool is None:
             self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
-                                  handoff_min_bytes=config.shm_min_bytes)
+                                  handoff_min_bytes=config.shm_min_bytes, in_turn=config.in_turn)
         else:
             pool.set_address(self.address)
         self.agent: DispatcherAgent | None = None

@@ -82,10 +82,12 @@ def test_released_and_unknown_batches_answer_not_assigned(scheduler):
     scheduler.request(key(50), got.append)  # no split holds it yet
     scheduler.add_split(split(split_id=2, first=40, n=2))
     scheduler.request(key(41), got.append)
-    wait_until(lambda: len(got) == 1, what="batch 41")
+    # Batch 41 and the unknown batch's time-out come in either order (a loaded machine makes batches slowly)
+    wait_until(lambda: any(parse_frame(f)[0].seq == 41 for f in got), what="batch 41")
     scheduler.release([2])
     wait_until(lambda: len(got) == 2, what="the unknown batch to time out")
-    assert parse_frame(got[1])[0].not_assigned and parse_frame(got[1])[0].seq == 50
+    answers = {parse_frame(f)[0].seq: parse_frame(f)[0] for f in got}
+    assert answers[50].not_assigned and not answers[41].not_assigned
     scheduler.request(key(40), got.append)  # released: no longer ours
     wait_until(lambda: len(got) == 3, what="a not_assigned answer")
     assert parse_frame(got[2])[0].not_assigned
