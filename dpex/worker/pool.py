@@ -28,15 +28,15 @@ _MAX_LANES = 1024  # consumers' epochs whose cycle position is kept
 
 
 class BatchPool:
-    """N processes, each with a queue of its own. A consumer's epoch cycles
-    through them; a batch passes a process that has ``PREFETCH`` batches to
-    make already (a slow sample, a core shared with the daemon), as torch's
-    DataLoader does with in_order=False. ``in_turn``: as torch's workers do
-    otherwise, the k-th batch goes to process k mod N whatever its queue, and
-    get_worker_info().id shows it. A crashed child fails its batches, not the
-    daemon, and is started again alone."""
+    """N processes. By default they share one queue: a batch goes to the
+    first process free. ``in_turn``: each has a queue of its own, as torch's
+    DataLoader workers, and the k-th batch of a consumer's epoch goes to
+    process k mod N (get_worker_info().id shows it), unless it may pass
+    (in_order=False) and that process has ``PREFETCH`` batches to make
+    already, as in torch. A crashed process fails its batches, not the
+    daemon; its executor (all of them, or itself alone) starts again."""
 
-    PREFETCH = 2  # batches queued at one process before the cycle passes it by: torch's prefetch_factor
+    PREFETCH = 2  # batches queued at one process before a batch that may pass goes by: torch's prefetch_factor
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
                  handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False, in_turn: bool = False) -> None:
@@ -46,7 +46,6 @@ class BatchPool:
         thread yet); ones started after a crash are spawned. The address may
         be given later (:meth:`set_address`)."""
         self._processes = processes
-        self._in_turn = in_turn
         self._handoff_min_bytes = handoff_min_bytes
         # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
         self._address = multiprocessing.RawArray("c", 256)
@@ -56,45 +55,53 @@ class BatchPool:
         self._lock = threading.Lock()
         self._closed = False
         self._last_death: tuple[int, int, int] | None = None
-        self._queued = [0] * processes  # batches given to each child and not finished
+        # Executors of `_size` processes each: one of N, or N of one (in turn).
+        self._size = 1 if in_turn else processes
+        groups = range(0, processes, self._size)
+        self._queued = [0] * len(groups)  # batches given to each executor and not finished
         self._count_lock = threading.Lock()  # for _queued: taken in the executors' callbacks, under no other lock
-        self._cycle: OrderedDict[Hashable, int] = OrderedDict()  # each lane's next child
+        self._cycle: OrderedDict[Hashable, int] = OrderedDict()  # each lane's next executor (in turn)
         self.handoff_dir = shm.make_dir() if shared_memory else None
-        self._children = [self._child(i, fork) for i in range(processes)]
-        if fork:  # every child forked before any executor runs its thread: the daemon has none yet
-            for child in self._children:
-                child._launch_processes()
+        self._executors = [self._executor(first, fork) for first in groups]
+        if fork:  # every process forked before any executor runs its thread: the daemon has none yet
+            for executor in self._executors:
+                executor._launch_processes()
         # Start every child now, not at the first batch, without waiting for
         # them to import torch: the daemon serves meanwhile, and a batch asked
         # for waits for a child, as it would anyway. Started from this thread:
         # a child dies with the thread that started it (PR_SET_PDEATHSIG).
-        for child in self._children:
-            child.submit(runtime.warm_up)
+        for executor in self._executors:
+            for _ in range(self._size):
+                executor.submit(runtime.warm_up)
         # The processes, kept here: a broken executor may have let go of them when death() asks.
-        self._processes_of = [self._process_of(child) for child in self._children]
+        self._children = [self._processes_of(executor) for executor in self._executors]
 
     def set_address(self, worker_address: str) -> None:
         """The worker's address, as its batch processes report it."""
         self._address.value = worker_address.encode()[:255]
 
-    def _child(self, index: int, fork: bool) -> ProcessPoolExecutor:
+    def _executor(self, first: int, fork: bool) -> ProcessPoolExecutor:
+        """The executor of processes ``first``.. ``first + _size - 1`` (their worker ids)."""
         context = multiprocessing.get_context("fork" if fork else "spawn")
-        return ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=runtime.init_child,
-                                   initargs=(self._address, index, self._processes, self.handoff_dir,
-                                             self._handoff_min_bytes, os.getpid(), self._slots))
+        return ProcessPoolExecutor(max_workers=self._size, mp_context=context, initializer=runtime.init_child,
+                                   initargs=(self._address, context.Value("i", first), self._processes,
+                                             self.handoff_dir, self._handoff_min_bytes, os.getpid(), self._slots))
 
     @staticmethod
-    def _process_of(child: ProcessPoolExecutor) -> Any:
-        return next(iter(getattr(child, "_processes", {}).values()), None)
+    def _processes_of(executor: ProcessPoolExecutor) -> list:
+        return list(getattr(executor, "_processes", {}).values())
 
     def _route(self, lane: Hashable | None, passing: bool) -> int:
-        """The child for the next batch of ``lane`` (None: the least busy);
-        ``passing``: it may pass a busy one, even in turn."""
+        """The executor for the next batch of ``lane`` (None: the least busy);
+        ``passing``: it may pass a busy one."""
+        if len(self._executors) == 1:
+            return 0
         if lane is None:
-            return min(range(self._processes), key=self._queued.__getitem__)
-        start = self._cycle.pop(lane, 0) % self._processes
-        index = next((i % self._processes for i in range(start, start + self._processes)
-                      if self._queued[i % self._processes] < self.PREFETCH), start) if passing or not self._in_turn else start
+            return min(range(len(self._executors)), key=self._queued.__getitem__)
+        n = len(self._executors)
+        start = self._cycle.pop(lane, 0) % n
+        index = start if not passing else next(
+            (i % n for i in range(start, start + n) if self._queued[i % n] < self.PREFETCH), start)
         self._cycle[lane] = index + 1
         while len(self._cycle) > _MAX_LANES:
             self._cycle.popitem(last=False)
@@ -102,21 +109,21 @@ class BatchPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any, lane: Hashable | None = None,
                passing: bool = False) -> Future:
-        """Runs ``fn(*args)`` in a child: the next in ``lane``'s cycle (a
-        consumer's epoch; ``passing``: the next not busy), or the least busy."""
+        """Runs ``fn(*args)`` in a child: in turn, the next in ``lane``'s cycle
+        (a consumer's epoch; ``passing``: the next not busy), or the least busy."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is closed")
             index = self._route(lane, passing)
             try:
-                future = self._children[index].submit(fn, *args)
+                future = self._executors[index].submit(fn, *args)
             except BrokenProcessPool:
-                self._last_death = self._death_of(self._processes_of)  # its batch's frame may not be made yet
-                log.error("batch process %d died; starting it again", index)
-                self._children[index].shutdown(wait=False, cancel_futures=True)
-                self._children[index] = self._child(index, fork=False)  # the daemon runs threads now
-                future = self._children[index].submit(fn, *args)
-                self._processes_of[index] = self._process_of(self._children[index])
+                self._last_death = self._death_of(self._children)  # its batch's frame may not be made yet
+                log.error("a batch process died; starting %s again", "it" if self._size == 1 else "the pool")
+                self._executors[index].shutdown(wait=False, cancel_futures=True)
+                self._executors[index] = self._executor(index * self._size, fork=False)  # the daemon runs threads
+                future = self._executors[index].submit(fn, *args)
+                self._children[index] = self._processes_of(self._executors[index])
             with self._count_lock:
                 self._queued[index] += 1
         future.add_done_callback(lambda _, index=index: self._finished(index))
@@ -138,10 +145,10 @@ class BatchPool:
         # No lock: it is called from the executors' callbacks, which close() waits for with the lock held.
         if self._closed:
             return None
-        return self._death_of(self._processes_of) or self._last_death
+        return self._death_of(self._children) or self._last_death
 
-    def _death_of(self, processes: list) -> tuple[int, int, int] | None:
-        processes = [p for p in processes if p is not None]
+    def _death_of(self, children: list[list]) -> tuple[int, int, int] | None:
+        processes = [p for group in children for p in group]
         for p in processes:  # exited, but its status may be being read by the executor's thread: wait for it
             if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
                 p.join(1.0)
@@ -161,15 +168,15 @@ class BatchPool:
             if self._closed:
                 return
             self._closed = True
-            for child in self._children:
-                for process in list(getattr(child, "_processes", {}).values()):
+            for executor in self._executors:
+                for process in self._processes_of(executor):
                     if process.is_alive():
                         process.terminate()
-            for child in self._children:
-                child.shutdown(wait=True, cancel_futures=True)
+            for executor in self._executors:
+                executor.shutdown(wait=True, cancel_futures=True)
             # Their queues and locks are named semaphores in /dev/shm, unlinked
             # when collected: not kept alive by a closed pool still referenced.
-            self._children = []
+            self._executors = []
             shm.remove_dir(self.handoff_dir)
 
 

@@ -68,11 +68,12 @@ _contexts: OrderedDict[tuple, _Context] = OrderedDict()
 _current: tuple | None = None
 
 
-def init_child(worker_address: Any, index: int, num_children: int, handoff_dir: str | None,
+def init_child(worker_address: Any, counter: Any, num_children: int, handoff_dir: str | None,
                 handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None) -> None:
-    """Makes this process child ``index`` of its pool: torch's worker id."""
     global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots
-    _child_index = index
+    with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
+        _child_index = counter.value
+        counter.value += 1
     _slots = slots
     if slots is not None:
         slots[2 * _child_index] = os.getpid()
