@@ -31,6 +31,7 @@ def prepare_data_loader(accelerator: Any, loader: DpexDataLoader, device_placeme
     if not isinstance(loader, DpexDataLoader):
         raise DpexConfigError(f"dpex.accelerate.prepare_data_loader takes a DpexDataLoader "
                               f"(distribute_mode=True), got {type(loader).__name__}")
+    loader.__dict__["_prepared_by_dpex"] = True  # no warning that Accelerate rebuilds it: this replaces its rebuild
     shard = accelerator.prepare_data_loader(loader, device_placement=device_placement)
     base = getattr(shard, "base_dataloader", None)
     if base is None or base is loader or isinstance(base, DpexDataLoader):

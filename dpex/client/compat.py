@@ -72,6 +72,13 @@ class _Stream(IterableDataset):
         raise TypeError("iterated on the workers")
 
 
+ACCELERATE_REBUILDS = (
+    "accelerator.prepare() rebuilds this DpexDataLoader as torch's DataLoader: torch's worker processes would make "
+    "its batches here in the trainer, not Dpex's workers. Prepare it with "
+    "dpex.accelerate.prepare_data_loader(accelerator, loader), and only the model and optimizer with "
+    "accelerator.prepare (README: 'With Accelerate').")
+
+
 class DpexDataLoader(DataLoader[_T_co]):
     """``DataLoader(...)`` → ``DpexDataLoader(..., distribute_mode=True)``.
 
@@ -168,6 +175,20 @@ class DpexDataLoader(DataLoader[_T_co]):
         for name in ("distribute_mode", "head_address", "reproducible"):
             object.__setattr__(self, name, self._init_args[name])
         _framework_record(self)
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """Accelerate's mark of a loader it prepared, which
+        ``accelerator.prepare`` reads before it rebuilds the loader as torch's
+        DataLoader: the one moment to tell the user, unless dpex.accelerate
+        prepares it (and keeps Dpex making the batches)."""
+        if not self.__dict__.get("_prepared_by_dpex"):
+            warnings.warn(ACCELERATE_REBUILDS, stacklevel=2)
+        return self.__dict__.get("_accelerate_prepared", False)
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value
 
     @property
     def dispatcher_address(self) -> str:

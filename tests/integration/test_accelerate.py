@@ -59,3 +59,24 @@ def test_accelerate_keeps_dpex_making_the_batches(tmp_path, processes):
         for e in epochs:  # accelerate's end-of-data tracking (gradient accumulation syncs on it)
             assert e["ends"] == [False] * (len(e["ends"]) - 1) + [True]
     assert all(rank["falls"] for rank in ranks)
+
+
+def test_a_plain_prepare_says_that_torchs_workers_would_make_the_batches(recwarn):
+    from accelerate import Accelerator
+
+    import dpex.accelerate
+    from dpex.client.compat import ACCELERATE_REBUILDS
+    from dpex.testing.datasets import Regression
+    accelerator = Accelerator(cpu=True)
+    ours = dpex.DpexDataLoader(Regression(), distribute_mode=True, batch_size=8)
+    theirs = dpex.DpexDataLoader(Regression(), distribute_mode=True, batch_size=8)
+    try:
+        dpex.accelerate.prepare_data_loader(accelerator, ours)
+        assert not [w for w in recwarn if "accelerator.prepare()" in str(w.message)]
+        with pytest.warns(UserWarning, match=r"accelerator\.prepare\(\) rebuilds this DpexDataLoader") as caught:
+            shard = accelerator.prepare(theirs)
+        assert str(caught[0].message) == ACCELERATE_REBUILDS
+        assert type(shard.base_dataloader) is not dpex.DpexDataLoader  # what the warning is about
+    finally:
+        ours.close()
+        theirs.close()
