@@ -75,3 +75,75 @@ def test_lightning_keeps_dpex_making_the_batches(tmp_path, strategy, devices, wh
         seen = [i for r in results if r["epoch"] == epoch for i in r["seen"]]
         assert sorted(seen) == list(range(64))  # each sample once across the ranks
     assert losses and all(loss["falls"] for loss in losses)
+
+
+RESUME = textwrap.dedent("""
+    import json, sys
+    import torch
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import TensorDataset
+
+    which, phase, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    def loader():
+        data = TensorDataset(torch.arange(32.0).unsqueeze(1), torch.arange(32))
+        kwargs = dict(batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7), num_workers=1)
+        if which == "torchdata":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+            return StatefulDataLoader(data, **kwargs)
+        import dpex
+        return dpex.DpexDataLoader(data, distribute_mode=True, **kwargs)
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.seen = torch.nn.Linear(1, 1), []
+        def training_step(self, batch, _):
+            self.seen.append([self.current_epoch, batch[1].tolist()])
+            return self.net(batch[0]).pow(2).mean()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        # "step": a checkpoint every `step` batches (the run stops there); "epoch": Lightning's default, at an epoch's end
+        checkpoint = ModelCheckpoint(dirpath="ck", save_top_k=-1, filename="s{step}",
+                                     every_n_train_steps=step if phase == "step" else None)
+        stop = dict(max_steps=step) if phase == "step" else dict(max_epochs=1) if phase == "epoch" else {}
+        trainer = pl.Trainer(**{"max_epochs": 3, **stop}, accelerator="cpu", devices=1, logger=False,
+                             callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False)
+        model = Model()
+        trainer.fit(model, train_dataloaders=loader(), ckpt_path=f"ck/sstep={step}.ckpt" if phase == "resume" else None)
+        print(json.dumps(model.seen))
+""")
+
+
+def _lightning_runs(folder, which, *phases):
+    """What the loop was given in each phase, run one after the other in ``folder`` (its checkpoints' own)."""
+    folder.mkdir(parents=True)
+    (folder / "resume.py").write_text(RESUME)
+    out = []
+    for phase, step in phases:
+        done = subprocess.run([sys.executable, "resume.py", which, phase, str(step)], cwd=folder, capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr[-4000:]
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_lightning_resumes_as_with_torchdatas_stateful_loader(tmp_path):
+    """8 batches an epoch, 3 epochs. A checkpoint mid-epoch (step 5) resumes exactly; one at an epoch's last batch
+    (step 8: the loader's state still has the epoch in progress, as Lightning stops at len() without pulling
+    StopIteration) and Lightning's own epoch-end checkpoint resume with the epochs and batches that torchdata's
+    StatefulDataLoader gives in the same run (Lightning's doing, not the loader's: see README)."""
+    pytest.importorskip("torchdata")
+    full, first, rest = _lightning_runs(tmp_path / "mid", "dpex", ("full", 0), ("step", 5), ("resume", 5))
+    assert len(full) == 24 and first + rest == full  # mid-epoch: exact
+    runs, oracle = [], []
+    for which, out in (("dpex", runs), ("torchdata", oracle)):
+        out += _lightning_runs(tmp_path / which / "last-batch", which, ("step", 8), ("resume", 8))
+        out += _lightning_runs(tmp_path / which / "epoch-end", which, ("epoch", 8), ("resume", 8))
+    assert [[e for e, _ in run] for run in runs] == [[e for e, _ in run] for run in oracle]
+    assert runs[0] + runs[1] != full  # and neither is the uninterrupted run: Lightning skips an epoch there
