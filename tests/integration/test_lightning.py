@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,devices,where", [("auto", 1, "fit"), ("ddp", 2, "fit"), ("ddp_spawn", 2, "fit"),
-                                                     ("ddp", 2, "hook")])
+                                                     ("auto", 1, "hook"), ("ddp", 2, "hook"), ("ddp_spawn", 2, "hook")])
 def test_lightning_keeps_dpex_making_the_batches(tmp_path, strategy, devices, where):
     (tmp_path / "train.py").write_text(SCRIPT)
     done = subprocess.run([sys.executable, "train.py", strategy, str(devices), where], cwd=tmp_path,
