@@ -40,13 +40,18 @@ class Progress:
 
     def __init__(self, done: list[tuple[int, int]] = (), num_streams: int = 0,
                  ends: dict[int, int] | None = None,
-                 stream_states: dict[int, tuple[int, bytes]] | None = None) -> None:
+                 stream_states: dict[int, tuple[int, bytes]] | None = None,
+                 starts: dict[int, bytes] | None = None) -> None:
         self.ended = False  # the loop saw the epoch's end (StopIteration)
         self.num_streams = num_streams
         self.ends: dict[int, int] = dict(ends or {})  # stream -> its number of batches, once known
         # A dataset with its own state_dict: stream -> (j, its state after batch j-1), j the
         # stream's first batch not given; states of batches given past a gap wait in _states.
         self.stream_states: dict[int, tuple[int, bytes]] = dict(stream_states or {})
+        # A job that keeps its dataset (persistent_workers, num_workers=0): stream -> its dataset, pickled on a
+        # worker (never unpickled here), as the epoch's stream started with it and as it ended it.
+        self.starts: dict[int, bytes] = dict(starts or {})
+        self.carried: dict[int, bytes] = {}
         self._offered: dict[int, bytes] = {}  # seq -> state, received, not given to the loop yet
         self._states: dict[int, bytes] = {}   # seq -> state, given, past a gap in its stream
         self._given = Watermark(num_streams, self.ends, done=done)
@@ -62,6 +67,16 @@ class Progress:
             if state is not None:
                 self._states[seq] = state
                 self._advance_stream(stream_of(seq, self.num_streams)[0])
+
+    def carry(self, stream: int, replica: bytes) -> None:
+        """Stream ``stream``'s dataset as it ended the epoch: the next epoch's stream iterates it."""
+        with self._lock:
+            self.carried[stream] = replica
+
+    def next_starts(self) -> dict[int, bytes]:
+        """The datasets the next epoch's streams start from: as this one ended them (or began them)."""
+        with self._lock:
+            return {**self.starts, **self.carried}
 
     def offer(self, seq: int, state: bytes) -> None:
         """The dataset's state after batch ``seq``, kept once the loop is given the batch."""
@@ -118,7 +133,8 @@ class EpochState:
                 # Pairs, not dicts with int keys: a state survives a JSON round trip (keys become strings).
                 "ends": sorted([k, n] for k, n in self.progress.ends.items()),
                 "done": [list(r) for r in self.progress.ranges()],
-                "stream_states": [[k, j, blob(state)] for k, (j, state) in sorted(self.progress.stream_states.items())]}
+                "stream_states": [[k, j, blob(state)] for k, (j, state) in sorted(self.progress.stream_states.items())],
+                "starts": [[k, blob(r)] for k, r in sorted(self.progress.starts.items())]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
@@ -133,8 +149,9 @@ class EpochState:
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
                    progress=Progress([tuple(r) for r in d["done"]], d["num_streams"],
-                                     {k: n for k, n in _pairs(d["ends"])},
-                                     {k: (j, unblob(state)) for k, (j, state) in _pairs(d["stream_states"])}))
+                                     {k: n for k, n in pairs(d["ends"])},
+                                     {k: (j, unblob(state)) for k, (j, state) in pairs(d["stream_states"])},
+                                     {k: unblob(r) for k, r in pairs(d.get("starts", []))}))
 
     def index_batches(self) -> list[list[int]]:
         """Every index batch of the epoch, in seq order."""
@@ -217,7 +234,7 @@ def elastic(states: list[dict[str, Any]], world: int, rank: int, batch_size: int
     return EpochState(base["epoch"], base["base_seed"], len(batches), batches=batches, reshard=args)
 
 
-def _pairs(value: Any) -> list[tuple[int, Any]]:
+def pairs(value: Any) -> list[tuple[int, Any]]:
     """(stream, value) from a state's list of ``[stream, *value]`` or from a
     dict (older states; after a JSON round trip its keys are strings)."""
     if isinstance(value, dict):

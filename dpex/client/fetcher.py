@@ -409,6 +409,8 @@ class EpochFetcher:
             return False
         if meta.end_of_stream and ledger.n:
             ledger.end_stream(*stream_of(seq, ledger.n))
+            if meta.stream_state:  # its dataset as the epoch left it (a job that keeps its dataset)
+                self.progress.carry(stream_of(seq, ledger.n)[0], meta.stream_state)
             self._control.next_seq = ledger.low
             return True
         if not ledger.is_new(seq):

@@ -332,6 +332,7 @@ class RemoteDataLoader:
                 length, self._iterable = self._dataset.length, self._dataset.iterable
             self._generator, self._num_streams = generator, max(1, num_workers)
             self._current: EpochState | None = None  # the epoch in progress, for state_dict()
+            self._replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
             self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
             self._compact = compact_plans
             self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
@@ -426,12 +427,17 @@ class RemoteDataLoader:
                                        base_seed=base_seed, num_streams=streams, client_id=self._client_id)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
-        progress = resume.progress if resume is not None else Progress(num_streams=streams)
         if resume is not None:
+            progress = resume.progress
             submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
             submit.resume_id = secrets.randbits(63) + 1
-            submit.stream_starts.extend(dpb.StreamStart(stream=k, next=j, state=state)
-                                        for k, (j, state) in sorted(progress.stream_states.items()))
+        else:  # a job that keeps its dataset: each stream goes on with the one the last epoch's stream left
+            self._replicas = self._next_replicas()
+            progress = Progress(num_streams=streams, starts=self._replicas if streams else {})
+        for k in sorted(set(progress.stream_states) | set(progress.starts)):
+            j, state = progress.stream_states.get(k, (0, b""))
+            submit.stream_starts.append(dpb.StreamStart(stream=k, next=j, state=state,
+                                                        replica=progress.starts.get(k, b"")))
         try:
             num_batches = self._submit(submit, plan)
         except DpexNotFoundError as e:
@@ -478,7 +484,8 @@ class RemoteDataLoader:
                               "drop_last": self._drop_last, "num_consumers": self.num_consumers,
                               "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
                               "epoch": current.to_dict() if current is not None and not current.progress.ended
-                              else None, "generator": None, "samplers": {}}
+                              else None, "generator": None, "samplers": {},
+                              "replicas": [[k, checkpoint.blob(r)] for k, r in sorted(self._next_replicas().items())]}
         generator = self._plan_generator()
         if generator is not None:
             sd["generator"] = checkpoint.pack_generator(generator)
@@ -504,6 +511,8 @@ class RemoteDataLoader:
         state_dict, self._resume = checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
                                                      self.job_name if self._named_job else None)
         self._epoch_counter = state_dict["epochs_started"]
+        self._current = None
+        self._replicas = {k: checkpoint.unblob(r) for k, r in checkpoint.pairs(state_dict.get("replicas", []))}
         if self._resume is not None:
             self._epoch_counter = self._resume.epoch
         generator = self._plan_generator()
@@ -512,6 +521,11 @@ class RemoteDataLoader:
         for name, s in self._samplers():
             if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
                 s.load_state_dict(state_dict["samplers"][name])
+
+    def _next_replicas(self) -> dict[int, bytes]:
+        """The datasets the next epoch's streams start from (a job that keeps its dataset; else none)."""
+        current = self._resume or self._current
+        return current.progress.next_starts() if current is not None and current.num_streams else self._replicas
 
     def _plan_generator(self) -> Any:
         """The generator epochs draw from: the user's, or the one ``seed`` made (None: torch's global RNG)."""

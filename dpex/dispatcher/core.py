@@ -203,7 +203,7 @@ class DispatcherCore:
         out.num_streams = plan.num_streams
         start = plan.stream_starts.get(split.first_seq) if plan.num_streams else None
         if start is not None:
-            out.stream_next, out.stream_state = start.next, start.state
+            out.stream_next, out.stream_state, out.stream_replica = start.next, start.state, start.replica
         out.delivered_seqs.extend(sorted(split.delivered))
         if plan.sampler is not None:
             out.sampler.CopyFrom(plan.sampler)

@@ -331,12 +331,13 @@ class StreamRunner:
         self.consumer = (split.job_id, split.consumer_index)
         self._split = dict(job_id=split.job_id, consumer_index=split.consumer_index, epoch=split.epoch,
                            stream=split.first_seq, num_streams=split.num_streams, base_seed=split.base_seed,
-                           next=split.stream_next, state=split.stream_state)
+                           next=split.stream_next, state=split.stream_state, replica=split.stream_replica)
         self._buffer = buffer_batches
         self._cond = threading.Condition()
         self._ready: dict[int, bytes] = {}
         self._waiters: dict[int, list[Sink]] = {}
         self._end: int | None = None
+        self._replica = b""  # what the stream's end marker carries (a job that keeps its dataset)
         self._granted = self._received = split.stream_next  # batches before it were delivered
         self._floor: int | None = None
         self._closed = False
@@ -350,7 +351,7 @@ class StreamRunner:
         self._thread.start()
 
     def _end_frame(self, j: int) -> bytes:
-        return build_frame(stream.meta(self._split, j, end_of_stream=True))
+        return build_frame(stream.meta(self._split, j, end_of_stream=True, stream_state=self._replica))
 
     def request(self, key: Key, sink: Sink) -> bool:
         j = seqs.stream_of(key.seq, self.split.num_streams)[1]
@@ -419,7 +420,7 @@ class StreamRunner:
                 self._received += 1
                 meta, _ = parse_frame(frame)
                 if meta.end_of_stream:
-                    self._end = j
+                    self._end, self._replica = j, meta.stream_state
                     for wj in [w for w in self._waiters if w >= j]:
                         for sink in self._waiters.pop(wj):
                             sink(self._end_frame(wj))

@@ -10,6 +10,7 @@ runs more than ``buffer_batches`` ahead of the trainer.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import pickle
 from typing import Any, NamedTuple
@@ -21,6 +22,8 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts
 from dpex import seeding, wire
 from dpex.worker import runtime
+
+log = logging.getLogger("dpex.worker")
 
 
 def meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
@@ -67,12 +70,17 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         return True
 
     j, stage = split["next"], "build"
+    keeps = False
     try:
         job = runtime.load_job(split["job_id"], job_path)
+        # persistent_workers, or num_workers=0: torch iterates one dataset object epoch after epoch
+        keeps = job.persistent or job.main_process
+        if split["replica"]:  # that object as the stream of the epoch before left it
+            job = job._replace(dataset=cloudpickle.loads(split["replica"]))
         stage = "worker_init_fn"
         runtime.become_worker(job, split["base_seed"], split["stream"], split["num_streams"])
-        if job.worker_init_fn is not None and not job.main_process:
-            job.worker_init_fn(split["stream"])
+        if job.worker_init_fn is not None and not job.main_process and not split["replica"]:
+            job.worker_init_fn(split["stream"])  # once per worker with persistent_workers, as torch
         # Restored in torchdata's order: the dataset's state, then iter(), then the iterator's state.
         saved = _Resumable(None, None)
         if split["state"]:  # a resumed stream: where it said it was after batch next-1
@@ -125,7 +133,21 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
         if not send(failed.SerializeToString()):
             return
         j += 1
-    send(meta(split, j, end_of_stream=True).SerializeToString())
+        keeps = False
+    # The dataset as this epoch leaves it, for the next epoch's stream k (which may run on another worker).
+    send(meta(split, j, end_of_stream=True, stream_state=_replica(job.dataset) if keeps else b"").SerializeToString())
+
+
+def _replica(dataset: Any) -> bytes:
+    """The dataset, pickled for the next epoch; empty where it does not
+    pickle (a handle it opened while iterating): the next epoch then starts
+    from the job's dataset, as a worker that is not persistent would."""
+    try:
+        return cloudpickle.dumps(dataset)
+    except Exception as e:  # noqa: BLE001 - whatever the user's object raises
+        log.warning("the dataset does not pickle after its epoch (%s: %s): the next epoch iterates the job's "
+                    "dataset, not this one", type(e).__name__, e)
+        return b""
 
 
 _context: Any = None

@@ -164,3 +164,59 @@ def test_a_dataset_that_is_its_own_iterator_is_restored_after_iter_as_torchdata_
     oracle = interrupted(lambda: StatefulDataLoader(OwnIterator(), **kwargs), stop_at)
     got = interrupted(lambda: dpex_loader(OwnIterator(), **kwargs), stop_at)
     assert got == oracle
+
+
+# ---- an IterableDataset's own state across epochs (group 2) -------------------------------------------------
+class Counting(IterableDataset):
+    """Counts its epochs in ``__iter__``: what a stream sees of the object it iterated the epoch before."""
+
+    def __init__(self, n=12):
+        self.n, self.epoch = n, 0
+
+    def __iter__(self):
+        self.epoch += 1
+        info = get_worker_info()
+        k, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter([self.epoch * 100 + i for i in range(k, self.n, workers)])
+
+
+KEEPS = [dict(num_workers=0), dict(num_workers=2, persistent_workers=True), dict(num_workers=2)]
+
+
+@pytest.mark.parametrize("kwargs", KEEPS, ids=["main process", "persistent workers", "not persistent"])
+def test_an_iterable_datasets_own_state_goes_on_across_epochs_as_in_torch(kwargs):
+    """torch iterates one object epoch after epoch with num_workers=0, and each worker's copy with
+    persistent_workers; otherwise each epoch's workers start from the trainer's object."""
+    outcomes = []
+    for make in (lambda: torch.utils.data.DataLoader(Counting(), batch_size=5, **kwargs),
+                 lambda: dpex_loader(Counting(), batch_size=5, **kwargs)):
+        loader = make()
+        outcomes.append([sorted(x for b in loader for x in b.tolist()) for _ in range(3)])
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][2][0] == (300 if kwargs != KEEPS[2] else 100)
+
+
+@pytest.mark.parametrize("kwargs", KEEPS[:2], ids=["main process", "persistent workers"])
+@pytest.mark.parametrize("stop_at", [0, 1, -1], ids=["at the epoch's start", "after one batch", "after its end"])
+def test_the_state_carried_across_epochs_survives_a_resume(kwargs, stop_at):
+    """Stopped in the second epoch (or after it ended), saved and loaded into a new loader (a new process's
+    dataset would count from 0): the rest and the third epoch are those of the uninterrupted run."""
+    def run(stop):
+        loader, seen = dpex_loader(Counting(), batch_size=5, **kwargs), []
+        seen += flat(loader)
+        it = iter(loader)
+        seen += flat(it) if stop == -1 else [next(it).tolist() for _ in range(stop or 0)]
+        if stop is not None:
+            state = loader.state_dict()
+            del it
+            loader.close()
+            loader = dpex_loader(Counting(), batch_size=5, **kwargs)
+            loader.load_state_dict(state)
+            if stop != -1:
+                seen += flat(loader)
+        else:
+            seen += flat(it)
+        seen += flat(loader)
+        loader.close()
+        return sorted(x for b in seen for x in b)
+    assert run(stop_at) == run(None) == sorted(e * 100 + i for e in (1, 2, 3) for i in range(12))
