@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         def on_train_end(self):
             self.report("loss", falls=sum(self.losses[-3:]) < sum(self.losses[:3]))
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            return torch.optim.SGD(self.parameters(), lr=0.2)  # 8 steps a rank: the fall must show over batch noise
 
     if __name__ == "__main__":
         strategy, devices, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
