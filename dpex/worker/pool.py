@@ -71,8 +71,7 @@ class BatchPool:
         # for waits for a child, as it would anyway. Started from this thread:
         # a child dies with the thread that started it (PR_SET_PDEATHSIG).
         for executor in self._executors:
-            for _ in range(self._size):
-                executor.submit(runtime.warm_up)
+            self._warm(executor)
         # The processes, kept here: a broken executor may have let go of them when death() asks.
         self._children = [self._processes_of(executor) for executor in self._executors]
 
@@ -86,6 +85,11 @@ class BatchPool:
         return ProcessPoolExecutor(max_workers=self._size, mp_context=context, initializer=runtime.init_child,
                                    initargs=(self._address, context.Value("i", first), self._processes,
                                              self.handoff_dir, self._handoff_min_bytes, os.getpid(), self._slots))
+
+    def _warm(self, executor: ProcessPoolExecutor) -> None:
+        """Starts each of its processes (a spawned executor starts them as tasks come)."""
+        for _ in range(self._size):
+            executor.submit(runtime.warm_up)
 
     @staticmethod
     def _processes_of(executor: ProcessPoolExecutor) -> list:
@@ -122,8 +126,9 @@ class BatchPool:
                 log.error("a batch process died; starting %s again", "it" if self._size == 1 else "the pool")
                 self._executors[index].shutdown(wait=False, cancel_futures=True)
                 self._executors[index] = self._executor(index * self._size, fork=False)  # the daemon runs threads
-                future = self._executors[index].submit(fn, *args)
+                self._warm(self._executors[index])
                 self._children[index] = self._processes_of(self._executors[index])
+                future = self._executors[index].submit(fn, *args)
             with self._count_lock:
                 self._queued[index] += 1
         future.add_done_callback(lambda _, index=index: self._finished(index))
