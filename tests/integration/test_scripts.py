@@ -304,7 +304,7 @@ if __name__ == "__main__":
     trainer.start()
     message = queue.get(timeout=120)
     trainer.join(60)
-    print(trainer.exitcode, bool(re.search(r"DataLoader worker \\(pid\\(?s?\\)? \\d+\\) (is killed by signal|exited unexpectedly)", message)) or message)
+    print(trainer.exitcode, bool(re.search(r"DataLoader worker \\(pid\\(?s?\\)? \\d+(, \\d+)*\\) (is killed by signal|exited unexpectedly)", message)) or message)
 """)
     assert torch_out == "0 True\n"  # else the message it gave
     assert dpex_out == "0 True\n"
