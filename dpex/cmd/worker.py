@@ -51,8 +51,8 @@ _W = WorkerConfig  # its fields' defaults are the flags'
 @click.option("--in-turn/--no-in-turn", default=_W.in_turn, envvar="DPEX_IN_TURN", show_envvar=True,
               help="Batch process k makes batches k, k+N, k+2N... of each consumer's epoch, as torch's DataLoader "
               "workers do (get_worker_info().id as in torch); with in_order=False a batch still passes a busy "
-              "process. Default: a batch goes to the next process with room, which keeps them all busy when "
-              "they run at different speeds.")
+              "process. Default: the processes share one queue, each taking the next batch when it is free, which "
+              "keeps them all busy when they run at different speeds.")
 @click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,
               help="Local data this node must have (repeatable; environment variables in it are expanded; "
               "DPEX_DATA_PATH: paths separated by ':'); without it the worker refuses to start, naming the path.")
