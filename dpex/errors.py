@@ -71,12 +71,6 @@ class DpexWorkerError(DpexError, RuntimeError):
         _set_facts(self, exc_type, remote_message, remote_traceback, worker, sample_index, stage, batch, process)
         super().__init__(message)
 
-    @classmethod
-    def from_remote(cls, error, batch: str = "") -> "DpexWorkerError":
-        """From a dpex.v1.RemoteError message (always this class; see :func:`rebuild`)."""
-        facts = _facts_of(error, batch)
-        return cls(_text(**facts), **facts)
-
     def __reduce__(self):  # keep the attributes through pickling
         return (_restore, (type(self), self.args, self.__dict__))
 

@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import random
+import socket
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -322,3 +323,15 @@ async def add_async_health(server: grpc.aio.Server, service: str) -> Any:
 
 def server_interceptors(token: str | None, aio: bool = False) -> list[grpc.ServerInterceptor]:
     return [(AsyncTokenCheck if aio else TokenCheck)(token)] if token else []
+
+
+def answers_tcp(address: str, timeout_s: float) -> bool:
+    """Something accepts TCP connections at HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

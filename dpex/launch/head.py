@@ -17,13 +17,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import grpc
 
 from dpex.errors import DpexConfigError
-from dpex.rpc import check_address, channel
+from dpex.rpc import answers_tcp, check_address, channel
 
 log = logging.getLogger("dpex.launch")
 
@@ -73,18 +72,6 @@ def local_ray_address() -> str | None:
     except OSError:
         return None
     return address if answers_tcp(address, 1.0) else None  # a node that has stopped leaves its file behind
-
-
-def answers_tcp(address: str, timeout_s: float) -> bool:
-    """Something accepts TCP connections at HOST:PORT."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return False
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
 
 
 def what_answers(address: str, token: str | None, tls_ca: bytes | None, timeout_s: float = 3.0) -> str | None:

@@ -27,9 +27,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dpex.auth import TOKEN_ENV
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError
-from dpex.launch.head import answers_tcp
 from dpex.launch.local import Daemon, await_ready, spawn, stop_process
 from dpex.procutil import PARENT_ENV, temp_dir
+from dpex.rpc import answers_tcp
 
 log = logging.getLogger("dpex.ray")
 

@@ -77,11 +77,6 @@ class Mixed(Dataset):
         return (np.full((2, 2), i, dtype=np.int16), f"s{i}", (torch.tensor(i, dtype=torch.bfloat16), i / 2))
 
 
-class Unencodable(Squares):
-    def __getitem__(self, i: int) -> object:
-        return object()
-
-
 class Slow(Squares):
     """Squares that take ``delay_s`` per sample, like a read from remote storage."""
 

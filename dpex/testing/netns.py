@@ -92,9 +92,6 @@ class NetnsCluster:
         """Cuts the node's link at the hub: its packets go nowhere."""
         _ip("link", "set", self._link(node), "down", ns=f"{self.tag}-hub")
 
-    def heal(self, node: str) -> None:
-        _ip("link", "set", self._link(node), "up", ns=f"{self.tag}-hub")
-
     # ---- daemons ------------------------------------------------------------------
     def _spawn(self, node: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{node}.log"), "ab")
