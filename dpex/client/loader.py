@@ -40,6 +40,7 @@ from dpex.errors import (CONSUMER_IN_USE, JOB_COLLECTED, DpexConfigError, DpexCo
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.proto import worker_pb2 as wpb
+from dpex.proto import worker_pb2_grpc as wgrpc
 from dpex.rpc import Outage, call, channel
 from dpex.wire import callables
 
@@ -679,11 +680,8 @@ class RemoteDataLoader:
         try:
             ch = channel(address, self._token, self._tls_ca)
             try:
-                inspect = ch.unary_unary("/dpex.v1.Worker/Inspect",
-                                         request_serializer=wpb.InspectRequest.SerializeToString,
-                                         response_deserializer=wpb.InspectResponse.FromString)
-                return call(inspect, wpb.InspectRequest(job_id=self.job_id), target=f"worker {address}",
-                            timeout_s=300)
+                return call(wgrpc.WorkerStub(ch).Inspect, wpb.InspectRequest(job_id=self.job_id),
+                            target=f"worker {address}", timeout_s=300)
             finally:
                 ch.close()
         except DpexConnectionError as e:

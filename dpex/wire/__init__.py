@@ -1,6 +1,6 @@
 """Batch <-> bytes. Imports neither grpc nor the dispatcher; the codec (and
 so torch) only when first used: the worker daemon moves frames, it does not
-decode them, and starts faster without torch."""
+decode them."""
 from typing import Any
 
 from dpex.wire.frame import build_frame, frame_parts, parse_frame
