@@ -121,6 +121,15 @@ def test_a_frame_that_cannot_be_received_is_a_failed_stream_asked_again(cluster,
     assert "MemoryError: cannot allocate" in caplog.text
 
 
+def turned_away(s: socket.socket) -> bool:
+    """The worker closed `s`: an end of stream, or a reset when it closed
+    with bytes of ours still unread (which the kernel answers with RST)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_a_flood_of_strangers_is_turned_away_at_once_and_the_loader_goes_on():
     with test_cluster(num_workers=1) as c:
         with dpex.RemoteDataLoader(c.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
@@ -132,7 +141,7 @@ def test_a_flood_of_strangers_is_turned_away_at_once_and_the_loader_goes_on():
                     s.sendall(os.urandom(16))
                 for s in strangers:
                     s.settimeout(10)
-                    assert s.recv(1) == b""
+                    assert turned_away(s)
                     s.close()
             # Sockets that say nothing: a few per source address wait for their key (5 s), the rest go at once.
             opened = time.monotonic()
