@@ -50,7 +50,7 @@ import torch.utils.data as tud  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 import dpex  # noqa: E402
-from dpex.client.options import Indices  # noqa: E402
+from dpex.client.sampling import Indices  # noqa: E402
 from dpex.config import DispatcherConfig  # noqa: E402
 from dpex.plan import samplers  # noqa: E402
 from dpex.proto import dispatcher_pb2 as dpb  # noqa: E402
@@ -66,13 +66,13 @@ def plans(sizes: list[int], huge_first_batch: bool) -> None:
     print("\n## plan submission, shuffled, batch 1024 (after a warm-up epoch: the worker has imported torch)")
     print(f"{'sampler':>15} {'samples':>14} {'request B':>10} {'iter() s':>9} {'1st batch s':>12} {'torch 1st s':>12}")
     with test_cluster(num_workers=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=60) as c:
-        warm = dpex.DatasetSpec("dpex.client.options:Indices", 10**4)
+        warm = dpex.DatasetSpec("dpex.client.sampling:Indices", 10**4)
         with dpex.RemoteDataLoader(c.address, warm, batch_size=1024, shuffle=True, timeout=600) as dl:
             next(iter(dl))
         for kind in ("RandomSampler", "ShuffleSampler"):
             for n in sizes:
                 random_sampler = kind == "RandomSampler"
-                spec = dpex.DatasetSpec("dpex.client.options:Indices", n)
+                spec = dpex.DatasetSpec("dpex.client.sampling:Indices", n)
                 with dpex.RemoteDataLoader(c.address, spec, batch_size=1024, shuffle=random_sampler,
                                            sampler=_sampler(kind, n), timeout=600) as dl:
                     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def du(path: str) -> int:
 def history(counts: list[int]) -> None:
     print("\n## work dir and restart after N short epochs (8 batches each, 2 workers)")
     print(f"{'epochs':>7} {'work dir KB':>12} {'restart s':>10}")
-    spec = dpex.DatasetSpec("dpex.client.options:Indices", 32)
+    spec = dpex.DatasetSpec("dpex.client.sampling:Indices", 32)
     for count in counts:
         with tempfile.TemporaryDirectory() as work:
             with test_cluster(num_workers=2, work_dir=work, heartbeat_interval_s=1.0,

@@ -40,7 +40,7 @@ def loader(address: str, samples: int, kwargs: dict) -> dpex.RemoteDataLoader:
     kwargs = dict(kwargs)
     if kwargs.get("generator"):
         kwargs["generator"] = torch.Generator().manual_seed(2)
-    return dpex.RemoteDataLoader(address, dpex.DatasetSpec("dpex.client.options:Indices", samples),
+    return dpex.RemoteDataLoader(address, dpex.DatasetSpec("dpex.client.sampling:Indices", samples),
                                  batch_size=1024, timeout=300, **kwargs)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from torch.utils.data import DataLoader, IterableDataset
 
 from dpex.client.loader import RemoteDataLoader, _rebuild
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.dataset import DatasetSpec
 from dpex.client.stats import LoaderStats
 from dpex.errors import DpexTimeoutError
@@ -152,7 +152,8 @@ class DpexDataLoader(DataLoader[_T_co]):
             self._remote = RemoteDataLoader(address, dataset, batch_size=batch_size, shuffle=bool(shuffle),
                                             sampler=sampler, batch_sampler=batch_sampler, **common)
             remote = self._remote
-            super().__init__(_Stream(remote._length) if remote._iterable else Indices(remote._length), **torch_args)
+            plans = remote._plans
+            super().__init__(_Stream(plans.length) if plans.iterable else Indices(plans.length), **torch_args)
             object.__setattr__(self, "dataset", dataset)  # past torch's guard: the spec is the dataset
             self._keep_dpex_args()
             return

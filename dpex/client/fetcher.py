@@ -24,6 +24,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call
 from dpex.client import decode
 from dpex.client.checkpoint import Progress
+from dpex.client.inspect import DatasetSeen
 from dpex.client.ledger import Ledger
 from dpex.client.router import Router
 from dpex.client.stats import StatsMeter
@@ -126,24 +127,6 @@ class Control:
                 self._sync(b"", wait_s=0.0, cancellable=False)
             except DpexError as e:
                 log.warning("could not report the last delivered batches: %s", e)
-
-
-class DatasetSeen(NamedTuple):
-    """The dataset the plan was made for: who built it, its length and fingerprint."""
-    where: str
-    length: int
-    fingerprint: str
-    iterable: bool = False
-
-    def check(self, job_id: int, address: str, length: int, fingerprint: str) -> None:
-        """Worker ``address``'s copy must agree: else its data is not what was planned."""
-        if (length, fingerprint) != (self.length, self.fingerprint):
-            what = [f"{self.where} has {self.length} samples", f"worker {address} has {length}"]
-            if fingerprint != self.fingerprint:
-                what = [f"{what[0]} (fingerprint {self.fingerprint!r})", f"{what[1]} (fingerprint {fingerprint!r})"]
-            raise DpexConfigError(f"workers disagree about the dataset of job {job_id}: {what[0]}, "
-                                  f"{what[1]}; every worker needs the same data (the plan was made for "
-                                  f"{self.length} samples)")
 
 
 # A batch failed in these stages fails every other one of the epoch too

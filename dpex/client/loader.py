@@ -6,114 +6,35 @@ DataLoader over indices), so the same seed gives the same batches.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import secrets
 import threading
-import time
-import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch.utils.data as tud
 
-from dpex.client import checkpoint
+from dpex.client import checkpoint, inspect, job as jobs
 from dpex.client.checkpoint import EpochState, Progress
-from dpex.client.distributed import current_run, shared_job_name
-from dpex.client.fetcher import DatasetSeen, EpochFetcher
+from dpex.client.distributed import current_run
+from dpex.client.fetcher import EpochFetcher
 from dpex.client.lanes import Lane, Lanes
-from dpex.client.options import Indices, LoaderOptions, check_sampling, index_batch
+from dpex.client.options import LoaderOptions
 from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
+from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
-from dpex.dataset import DatasetSpec, describe_dataset
+from dpex.dataset import DatasetSpec
 from dpex.launch.head import announce, resolve
-from dpex.plan import samplers
-from dpex.plan.spec import chunks
-from dpex.config import CLAIM_HELD_S
-from dpex.errors import (CONSUMER_IN_USE, JOB_COLLECTED, DpexConfigError, DpexConflictError, DpexConnectionError,
-                         DpexNotFoundError, rebuild)
+from dpex.errors import JOB_COLLECTED, DpexConfigError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.proto import worker_pb2 as wpb
-from dpex.proto import worker_pb2_grpc as wgrpc
 from dpex.rpc import Outage, call, channel
-from dpex.wire import callables
 
 log = logging.getLogger("dpex.client")
-
-
-_LARGE_DATASET_BYTES = 4 << 20
-
-
-_IN_FLIGHT: set = set()  # calls not waited for; a dropped gRPC future would cancel its call
-
-
-def _send_and_forget(method: Any, request: Any, timeout_s: float = 5.0) -> None:
-    """Starts a unary call and returns at once (from a finalizer: never block)."""
-    future = method.future(request, timeout=timeout_s)
-    _IN_FLIGHT.add(future)
-    future.add_done_callback(_IN_FLIGHT.discard)
-
-
-def _definition(job: dpb.JobDef) -> bytes:
-    """The job's settings without its pickled code: the same bytes in every rank."""
-    bare = dpb.JobDef()
-    bare.CopyFrom(job)
-    bare.ClearField("dataset"), bare.ClearField("collate"), bare.ClearField("worker_init_fn")
-    return bare.SerializeToString(deterministic=True)
-
-
-def _as_list(indices: list[int]) -> list[int]:
-    return indices
-
-
-def _code_fields(spec: DatasetSpec, collate_fn: Callable | None, worker_init_fn: Callable | None,
-                 bundled: bool) -> dict[str, Any]:
-    """The JobDef fields of the job's code. A dataset instance goes with its
-    functions in one pickle (JobDef.bundled): a bound method of the dataset
-    then runs on the worker's very copy, as in torch's workers."""
-    if not bundled:
-        return dict(dataset=_shipped(spec, "the dataset spec"),
-                    collate=_shipped(collate_fn, "collate_fn") if collate_fn is not None else b"",
-                    worker_init_fn=_shipped(worker_init_fn, "worker_init_fn") if worker_init_fn is not None else b"")
-    digest = lambda fn, what: hashlib.sha256(_shipped(fn, what)).digest() if fn is not None else b""  # noqa: E731
-    return dict(dataset=_shipped((spec, collate_fn, worker_init_fn), "the dataset"),
-                collate=digest(collate_fn, "collate_fn"), worker_init_fn=digest(worker_init_fn, "worker_init_fn"),
-                bundled=True)
-
-
-def _shipped(obj: Any, what: str) -> bytes:
-    """``obj`` pickled for the workers, or an error that says why it cannot travel."""
-    try:
-        return callables.dumps(obj)
-    except Exception as e:
-        raise DpexConfigError(
-            f"{what} cannot be shipped to the Dpex workers, which may run on other hosts and get it as a "
-            f"pickle: {type(e).__name__}: {e} (shared-memory objects such as an mp.Value, Lock or Semaphore "
-            "cannot cross hosts: make them on the workers, e.g. in worker_init_fn)") from e
-
-
-class _Constant:
-    """A picklable callable returning a dataset instance shipped by value."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __call__(self) -> Any:
-        return self.dataset
-
-
-def _check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
-    """torch's own checks for an IterableDataset, with torch's messages."""
-    for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
-        if value not in (None, False):
-            raise ValueError(f"DataLoader with IterableDataset: expected unspecified {name} option, "
-                             f"but got {name}={value}")
 
 
 def _start_method(context: Any) -> str | None:
@@ -229,7 +150,7 @@ class RemoteDataLoader:
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
-                 shuffle: bool = False, seed: int | None = None, drop_last: bool = _O.drop_last,
+                 shuffle: bool | None = _O.shuffle, seed: int | None = _O.seed, drop_last: bool = _O.drop_last,
                  sampler: Any = None, batch_sampler: Any = None,
                  collate_fn: Callable[[list], Any] | None = None, num_consumers: int | None = None,
                  consumer_index: int | None = None, job_name: str | None = _O.job_name, ordered: bool = _O.ordered,
@@ -237,11 +158,11 @@ class RemoteDataLoader:
                  worker_init_fn: Callable[[int], None] | None = None,
                  persistent_workers: bool = _O.persistent_workers, pin_memory: bool = _O.pin_memory,
                  num_workers: int = _O.num_workers, processes: int | None = _O.processes,
-                 auth_token: str | None = None, tls_ca: str | None = None,
+                 auth_token: str | None = _O.auth_token, tls_ca: str | None = _O.tls_ca,
                  connect_timeout: float = _O.connect_timeout_s, shared_memory: bool = _O.shared_memory,
-                 compression: str | None = None, pin_memory_device: str = _O.pin_memory_device, shard: bool = True,
-                 compact_plans: bool = True, multiprocessing_context: Any = None,
-                 reproducible: bool = True) -> None:
+                 compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
+                 shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
+                 reproducible: bool = _O.reproducible) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
@@ -252,110 +173,65 @@ class RemoteDataLoader:
             num_consumers = run.world_size if run is not None else 1
             if consumer_index is None:
                 consumer_index = run.rank if run is not None else 0
-        opts = LoaderOptions(
+        # From here on the checked options: LoaderOptions is the one source of the loader's settings.
+        self._opts = opts = LoaderOptions(
             address=address, batch_size=batch_size, drop_last=drop_last, num_consumers=num_consumers,
-            consumer_index=0 if consumer_index is None else consumer_index, job_name=job_name,
-            ordered=ordered, timeout_s=timeout, window=window, persistent_workers=persistent_workers,
-            pin_memory=pin_memory, pin_memory_device=pin_memory_device, num_workers=num_workers,
-            processes=processes, connect_timeout_s=connect_timeout, shared_memory=shared_memory,
-            compression=compression or "")
+            consumer_index=0 if consumer_index is None else consumer_index, job_name=job_name, ordered=ordered, timeout_s=timeout,
+            window=window, persistent_workers=persistent_workers, pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device, num_workers=num_workers, processes=processes,
+            connect_timeout_s=connect_timeout, shared_memory=shared_memory, compression=compression or "",
+            shuffle=shuffle, seed=seed, shard=shard, compact_plans=compact_plans, reproducible=reproducible,
+            auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context))
         if isinstance(dataset, tud.IterableDataset):
-            _check_iterable_args(shuffle, sampler, batch_sampler)
+            check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
                        worker_init_fn)
-        # From here on the checked options: LoaderOptions is the one source of the loader's settings.
-        num_consumers, consumer_index = opts.num_consumers, opts.consumer_index
-        batch_size, drop_last, job_name, ordered, timeout = (opts.batch_size, opts.drop_last, opts.job_name,
-                                                             opts.ordered, opts.timeout_s)
-        window, persistent_workers, num_workers, processes = (opts.window, opts.persistent_workers, opts.num_workers,
-                                                              opts.processes)
-        pin_memory, pin_memory_device, connect_timeout, shared_memory = (
-            opts.pin_memory, opts.pin_memory_device, opts.connect_timeout_s, opts.shared_memory)
         self._instance = None if isinstance(dataset, DatasetSpec) else dataset
-        spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(_Constant(dataset))
-        self.num_consumers, self.consumer_index = num_consumers, consumer_index
-        self.ordered, self.timeout = ordered, timeout
+        spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(jobs.Constant(dataset))
+        self.num_consumers, self.consumer_index = opts.num_consumers, opts.consumer_index
+        self.ordered, self.timeout = opts.ordered, opts.timeout_s
         self._connect_timeout = opts.first_contact_s
         self._outage = Outage()  # the dispatcher's: every call to it gives up on one deadline
         self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
         self._meter = StatsMeter()
-        self._token = token = load_token(token=auth_token)
-        self._tls_ca = ca = load_ca(tls_ca)
+        self._tls_ca = ca = load_ca(opts.tls_ca)
         self._code = (spec, collate_fn, worker_init_fn)
         self._code_kept = False  # persistent_workers: the first iter()'s code was shipped, and stays
-        job = dpb.JobDef(name=job_name or "", num_consumers=num_consumers, persistent_workers=persistent_workers,
-                         **_code_fields(*self._code, bundled=self._instance is not None),
-                         batch_size=batch_size or 0, drop_last=drop_last, compression=opts.compression,
-                         unbatched=batch_size is None and batch_sampler is None, process_seeds=not reproducible,
-                         main_process=num_workers == 0, out_of_order=not ordered)
-        self._unbatched, self._reproducible = job.unbatched, reproducible
-        derived_name = not job.name and num_consumers > 1 and run is not None
-        if derived_name:
-            job.name = shared_job_name(run, _definition(job))
-            log.info("rank %d of %d: consumer %d of job %r, shared by the ranks of this run",
-                     run.rank, run.world_size, consumer_index, job.name)
-        elif not job.name and num_consumers > 1:
-            warnings.warn(
-                f"num_consumers={num_consumers} without job_name and outside torch.distributed: this "
-                "loader makes a job of its own; give every consumer the same job_name to share one",
-                stacklevel=2)
+        unbatched = batch_size is None and batch_sampler is None
+        job = jobs.job_def(opts, self._code, bundled=self._instance is not None, unbatched=unbatched)
+        derived_name = jobs.name_shared(job, run)
         self.job_name = job.name or None
-        self._named_job = bool(job_name)
-        address, token, self._embedded_why = resolve(opts.address, token, ca, given_token=auth_token)
-        self._token = token
-        self._res = _Resources(token, ca, shared_memory)
+        address, self._token, self._embedded_why = resolve(opts.address, load_token(token=opts.auth_token), ca,
+                                                           given_token=opts.auth_token)
+        self._res = _Resources(self._token, ca, opts.shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         self._address, self._target, self.job_id = address, f"dispatcher {address}", None
         self._client_id = secrets.randbits(63) + 1  # this loader's: it holds its consumer of the job
         try:
             if address is None:  # started in the background, shared with this process's other loaders
                 from dpex.launch.local import START_TIMEOUT_S, embedded
-                self._res.cluster = embedded(processes or os.cpu_count() or 1, token,
-                                             _start_method(multiprocessing_context))
+                self._res.cluster = embedded(opts.processes or os.cpu_count() or 1, self._token, opts.start_method)
                 self._target = "the embedded dispatcher"
                 # Ours, and serving once it said so: no wrong address to fail fast on, and its owner reports
                 # a daemon's death. On a loaded machine its first answers (and worker) may take a while.
                 self._connect_timeout = max(self._connect_timeout, START_TIMEOUT_S)
-            if self._instance is not None and len(job.dataset) > _LARGE_DATASET_BYTES:
-                warnings.warn(
-                    f"the dataset instance is shipped to every worker by value and pickles to "
-                    f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
-                    "so that workers build it from their own local files", stacklevel=2)
             self._job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
             if not (self.embedded and self._instance is not None):  # else at the first iter()
                 self._connect()
-            if self._instance is not None:
-                self._iterable = isinstance(dataset, tud.IterableDataset)
-                length, fingerprint = describe_dataset(dataset)
-                self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
-            else:
-                self._dataset = self._inspect()
-                length, self._iterable = self._dataset.length, self._dataset.iterable
-            self._generator, self._num_streams = generator, max(1, num_workers)
+            self._dataset = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
+                self._alive_workers, self.job_id, self._token, ca, self._connect_timeout, self._target))
+            self._plans = EpochPlans(
+                self._dataset.length, self._dataset.iterable, batch_size=batch_size, drop_last=drop_last,
+                shuffle=shuffle, seed=seed, sampler=sampler, batch_sampler=batch_sampler, generator=generator,
+                distributed=(opts.num_consumers > 1 or run is not None) and opts.shard,
+                num_consumers=opts.num_consumers, consumer_index=opts.consumer_index,
+                num_streams=max(1, opts.num_workers), compact=opts.compact_plans, unbatched=unbatched,
+                reproducible=opts.reproducible)
             self._current: EpochState | None = None  # the epoch in progress, for state_dict()
             self._replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
             self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
-            self._compact = compact_plans
-            self._length, self._batch_size, self._drop_last = length, batch_size, drop_last
-            if self._iterable:
-                _check_iterable_args(shuffle, sampler, batch_sampler)  # a DatasetSpec: known only now
-                self._plan = None
-            elif length < 0:
-                raise DpexConfigError("the dataset has no __len__; a map-style dataset needs one")
-            elif (num_consumers > 1 or run is not None) and shard and sampler is None and batch_sampler is None:
-                sampler = tud.DistributedSampler(Indices(length), num_replicas=num_consumers,
-                                                 rank=consumer_index, shuffle=shuffle,
-                                                 seed=seed if seed is not None else 0)
-                shuffle = False
-            elif shuffle and sampler is None and generator is None and seed is not None:
-                import torch
-                generator = torch.Generator().manual_seed(seed)
-            if not self._iterable:
-                self._plan = tud.DataLoader(Indices(length), batch_size=batch_size, shuffle=shuffle,
-                                            sampler=sampler, batch_sampler=batch_sampler,
-                                            drop_last=drop_last, collate_fn=_as_list, generator=generator)
-            self._window = window or 4 * (1 if self.embedded else max(1, len(self._alive_workers())))
-            self._pin = pin_target(pin_memory_device) if pin_memory else None
+            self._window = opts.window or 4 * (1 if self.embedded else max(1, len(self._alive_workers())))
+            self._pin = pin_target(opts.pin_memory_device) if opts.pin_memory else None
             if self._pin is not None:  # frames from other hosts arrive pinned
                 self._res.read_frame = self._res.streams.read_frame = PinnedFrames(self._pin)
         except BaseException:
@@ -364,14 +240,7 @@ class RemoteDataLoader:
 
     # ---- public API ---------------------------------------------------------------
     def __len__(self) -> int:
-        if not self._iterable:
-            return len(self._plan)
-        if self._length < 0:  # as torch: an IterableDataset's len is the dataset's
-            raise TypeError("the IterableDataset has no __len__")
-        if self._batch_size is None:
-            return self._length
-        whole, part = divmod(self._length, self._batch_size)
-        return whole if self._drop_last or not part else whole + 1
+        return len(self._plans)
 
     @property
     def address(self) -> str:
@@ -385,12 +254,7 @@ class RemoteDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
-        if self._plan is None:
-            return
-        for s in (self._plan.sampler, self._plan.batch_sampler,
-                  getattr(self._plan.batch_sampler, "sampler", None)):
-            if hasattr(s, "set_epoch"):
-                s.set_epoch(epoch)
+        self._plans.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._finalizer.alive is False:
@@ -407,21 +271,8 @@ class RemoteDataLoader:
         if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
             base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
-        elif self._iterable:  # as torch: a base seed per epoch, no sampler
-            import torch
-            base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
-            plan, streams, sampler = [], self._num_streams, None
-        else:  # torch's own iterator draws the epoch's base seed, then runs the sampler
-            indices = iter(self._plan)
-            base_seed = indices._base_seed
-            sampler = samplers.describe(self._plan) if self._compact else None
-            plan = [] if sampler is not None else [index_batch(b, self._unbatched) for b in indices]
-            streams = 0
-            # Consumer k of N's j-th sample is at place k + j*N (DistributedSampler's are its own positions).
-            if sampler is not None:
-                sampler.place_offset, sampler.place_stride = self.consumer_index, self.num_consumers
-            elif self._reproducible:
-                samplers.place_explicit(plan, self.consumer_index, self.num_consumers)
+        else:
+            base_seed, sampler, plan, streams = self._plans.draw()
         epoch = self._epoch_counter
         self._epoch_counter += 1
         submit = dpb.SubmitPlanRequest(job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch,
@@ -440,7 +291,7 @@ class RemoteDataLoader:
             submit.stream_starts.append(dpb.StreamStart(stream=k, next=j, state=state,
                                                         replica=progress.starts.get(k, b"")))
         try:
-            num_batches = self._submit(submit, plan)
+            num_batches = jobs.submit(self._call, self._res.stub, submit, plan)
         except DpexNotFoundError as e:
             if JOB_COLLECTED not in str(e):
                 raise
@@ -448,20 +299,19 @@ class RemoteDataLoader:
             if lane is self._res.lanes.first:
                 self._create_job()
             else:
-                lane.job_id = self._make_job(named=False)
+                lane.job_id = jobs.make(self._call, self._res.stub, self._job_request, named=False)
             submit.job_id = lane.job_id
-            num_batches = self._submit(submit, plan)
-        stub, target, request = self._res.stub, self._target, dpb.ReleaseConsumerRequest(
-            job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id)
+            num_batches = jobs.submit(self._call, self._res.stub, submit, plan)
+        stub = self._res.stub
+        leave = jobs.releaser(stub, self._target, dpb.ReleaseConsumerRequest(
+            job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id))
         fetcher = EpochFetcher(
             stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches, client_id=self._client_id,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
-            num_streams=streams, meter=self._meter,
-            leave=lambda wait: (call(stub.ReleaseConsumer, request, target=target, timeout_s=5) if wait
-                                else _send_and_forget(stub.ReleaseConsumer, request)), progress=progress,
-            report=lambda address, error: _send_and_forget(
+            num_streams=streams, meter=self._meter, leave=leave, progress=progress,
+            report=lambda address, error: jobs.send_and_forget(
                 stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)),
             health=self._res.cluster.failure if self.embedded else None,
             no_worker_s=self._connect_timeout if self.timeout is None else None)
@@ -480,17 +330,16 @@ class RemoteDataLoader:
         draws from at each ``iter()``, is the caller's to save and restore)."""
         current = self._resume or self._current
         sd: dict[str, Any] = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                              "job_name": self.job_name, "named_job": self._named_job,
-                              "dataset_length": self._length, "batch_size": self._batch_size,
-                              "drop_last": self._drop_last, "num_consumers": self.num_consumers,
+                              "job_name": self.job_name, "named_job": bool(self._opts.job_name),
+                              "dataset_length": self._plans.length, "batch_size": self._opts.batch_size,
+                              "drop_last": self._opts.drop_last, "num_consumers": self.num_consumers,
                               "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
                               "epoch": current.to_dict() if current is not None and not current.progress.ended
                               else None, "generator": None, "samplers": {},
                               "replicas": [[k, checkpoint.blob(r)] for k, r in sorted(self._next_replicas().items())]}
-        generator = self._plan_generator()
-        if generator is not None:
-            sd["generator"] = checkpoint.pack_generator(generator)
-        for name, s in self._samplers():
+        if self._plans.generator is not None:
+            sd["generator"] = checkpoint.pack_generator(self._plans.generator)
+        for name, s in self._plans.samplers():
             if callable(getattr(s, "state_dict", None)):
                 sd["samplers"][name] = s.state_dict()
         return sd
@@ -508,18 +357,17 @@ class RemoteDataLoader:
         if isinstance(state_dict, tuple):
             state_dict = list(state_dict)
         for sd in state_dict if isinstance(state_dict, list) else [state_dict]:
-            checkpoint.check(sd, self._length, self._batch_size)
+            checkpoint.check(sd, self._plans.length, self._opts.batch_size)
         state_dict, self._resume = checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
-                                                     self.job_name if self._named_job else None)
+                                                     self.job_name if self._opts.job_name else None)
         self._epoch_counter = state_dict["epochs_started"]
         self._current = None
         self._replicas = {k: checkpoint.unblob(r) for k, r in checkpoint.pairs(state_dict.get("replicas", []))}
         if self._resume is not None:
             self._epoch_counter = self._resume.epoch
-        generator = self._plan_generator()
-        if state_dict["generator"] is not None and generator is not None:
-            checkpoint.restore_generator(generator, state_dict["generator"])
-        for name, s in self._samplers():
+        if state_dict["generator"] is not None and self._plans.generator is not None:
+            checkpoint.restore_generator(self._plans.generator, state_dict["generator"])
+        for name, s in self._plans.samplers():
             if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
                 s.load_state_dict(state_dict["samplers"][name])
 
@@ -527,15 +375,6 @@ class RemoteDataLoader:
         """The datasets the next epoch's streams start from (a job that keeps its dataset; else none)."""
         current = self._resume or self._current
         return current.progress.next_starts() if current is not None and current.num_streams else self._replicas
-
-    def _plan_generator(self) -> Any:
-        """The generator epochs draw from: the user's, or the one ``seed`` made (None: torch's global RNG)."""
-        return self._generator if self._generator is not None else getattr(self._plan, "generator", None)
-
-    def _samplers(self) -> list[tuple[str, Any]]:
-        if self._plan is None:
-            return []
-        return [("sampler", self._plan.sampler), ("batch_sampler", self._plan.batch_sampler)]
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Batches/s, bytes received, seconds the trainer waited for data and
@@ -573,43 +412,6 @@ class RemoteDataLoader:
             return self._connect_timeout
         return math.inf if self.timeout is None else max(self.timeout, self._connect_timeout)
 
-    def _submit(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
-        """Submits the epoch's plan, waiting up to the claim time (CLAIM_HELD_S)
-        for a consumer held by a loader gone silent (a trainer killed and run
-        again at once: the dispatcher may not have seen its connection end);
-        a live holder keeps it, and this loader gets its DpexConflictError."""
-        deadline = time.monotonic() + CLAIM_HELD_S + 1.0
-        while True:
-            try:
-                return self._submit_once(submit, batches)
-            except DpexConflictError as e:
-                if CONSUMER_IN_USE not in str(e) or time.monotonic() > deadline:
-                    raise
-                log.info("%s; waiting up to %.0fs for its holder to go silent", e, deadline - time.monotonic())
-                time.sleep(0.25)
-
-    def _submit_once(self, submit: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:
-        """Submits the epoch's plan: a description or streams in one call,
-        explicit batches in bounded chunks. The number of batches planned."""
-        if submit.num_streams or submit.HasField("sampler"):
-            return self._call(self._res.stub.SubmitPlan, submit).num_batches
-        parts = list(chunks(batches))
-        for attempt in range(3):
-            submit.upload_id = secrets.randbits(63) + 1
-            try:
-                for i, part in enumerate(parts):
-                    request = dpb.SubmitPlanRequest()
-                    request.CopyFrom(submit)
-                    request.chunk, request.more = i, i + 1 < len(parts)
-                    request.batches.extend(part)
-                    response = self._call(self._res.stub.SubmitPlan, request)
-                return response.num_batches
-            except DpexNotFoundError as e:  # the dispatcher restarted mid-upload: from the start
-                if attempt == 2 or "plan upload" not in str(e):
-                    raise
-                log.warning("%s", e)
-        raise AssertionError("unreachable")
-
     def _ship_dataset(self) -> None:
         """As torch hands the dataset to its workers at ``iter()``: a dataset
         instance (or worker_init_fn, collate_fn) changed since the job was
@@ -621,14 +423,13 @@ class RemoteDataLoader:
         if job.name or self._code_kept:
             return
         self._code_kept = job.persistent_workers
-        fields = _code_fields(*self._code, bundled=True)
+        fields = jobs.code_fields(*self._code, bundled=True)
         if fields["dataset"] == job.dataset:
             return
         for name, value in fields.items():
             setattr(job, name, value)
-        length, fingerprint = describe_dataset(self._instance)
-        self._dataset = DatasetSeen("the trainer's dataset instance", length, fingerprint)
-        self._length = length
+        self._dataset = inspect.in_trainer(self._instance)
+        self._plans.resize(self._dataset.length)
         if self.job_id is None:  # not made yet: _connect() makes it of this definition
             return
         # The old definition's jobs are released once their epochs end (now, if none runs).
@@ -652,70 +453,18 @@ class RemoteDataLoader:
     def _create_job(self) -> None:
         """Gets or creates the job of lane 0 (again, if the dispatcher collected it)."""
         first = self._res.lanes.first
-        self.job_id = first.job_id = self._make_job(named=True)
+        self.job_id = first.job_id = jobs.make(self._call, self._res.stub, self._job_request, named=True)
         first.release = self._releaser(first.job_id)
 
-    def _make_job(self, named: bool) -> int:
-        """The job's id: the loader's own (``named``), or an unnamed job of
-        the same definition, for another lane (dpex.client.lanes)."""
-        request = self._job_request
-        if not named and request.job.name:
-            request = dpb.GetOrCreateJobRequest()
-            request.CopyFrom(self._job_request)
-            request.job.name, request.settings_only = "", False
-        return self._call(self._res.stub.GetOrCreateJob, request).job_id
-
     def _open_lane(self) -> Lane:
-        job_id = self._make_job(named=False)
+        job_id = jobs.make(self._call, self._res.stub, self._job_request, named=False)
         return Lane(job_id, self._res.new_streams(), self._releaser(job_id))
 
     def _releaser(self, job_id: int) -> Callable[[], None]:
         """Releases this loader's consumer of ``job_id`` (at close, or once a lane is no longer needed)."""
-        stub, target = self._res.stub, self._target  # the lambda must not hold the loader: it runs at its collection
-        request = dpb.ReleaseConsumerRequest(job_id=job_id, consumer_index=self.consumer_index,
-                                             client_id=self._client_id)
-        return lambda: call(stub.ReleaseConsumer, request, target=target, timeout_s=5)
-
-    def _inspect_one(self, address: str) -> wpb.InspectResponse | None:
-        try:
-            ch = channel(address, self._token, self._tls_ca)
-            try:
-                return call(wgrpc.WorkerStub(ch).Inspect, wpb.InspectRequest(job_id=self.job_id),
-                            target=f"worker {address}", timeout_s=300)
-            finally:
-                ch.close()
-        except DpexConnectionError as e:
-            log.warning("%s; asking the other workers", e)
-            return None
+        return jobs.releaser(self._res.stub, self._target, dpb.ReleaseConsumerRequest(
+            job_id=job_id, consumer_index=self.consumer_index, client_id=self._client_id))
 
     def _alive_workers(self) -> list[str]:
         status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
         return [w.address for w in status.workers if w.state == "alive"]
-
-    def _inspect(self) -> DatasetSeen:
-        """Asks every live worker to build the dataset (in parallel): its
-        length (-1: none), its fingerprint, and whether it is an
-        IterableDataset. Workers whose copies disagree are an error now;
-        one that joins later is checked by its first batch (DatasetSeen)."""
-        deadline = time.monotonic() + self._connect_timeout
-        while True:
-            addresses = self._alive_workers()
-            with ThreadPoolExecutor(max_workers=min(16, max(1, len(addresses)))) as threads:
-                answers = list(threads.map(self._inspect_one, addresses))
-            seen = None
-            for address, response in zip(addresses, answers):
-                if response is None:
-                    continue
-                if response.HasField("error"):
-                    raise rebuild(response.error)
-                this = DatasetSeen(f"worker {address}", response.length, response.fingerprint, response.iterable)
-                if seen is None:
-                    seen = this
-                else:
-                    seen.check(self.job_id, address, this.length, this.fingerprint)
-            if seen is not None:
-                return seen
-            if time.monotonic() > deadline:
-                raise DpexConnectionError(
-                    f"no worker is registered with {self._target} (waited {self._connect_timeout:g}s)")
-            time.sleep(0.2)

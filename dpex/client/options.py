@@ -1,11 +1,10 @@
-"""LoaderOptions: a loader's own settings, checked before any RPC or process starts."""
+"""LoaderOptions: a loader's own settings, the one source of their defaults,
+checked before any RPC or process starts."""
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch.utils.data as tud
+from typing import Any
 
 from dpex.errors import DpexConfigError
 from dpex.rpc import check_address
@@ -41,6 +40,14 @@ class LoaderOptions:
     connect_timeout_s: float = 30.0      # how long an unreachable dispatcher is retried
     shared_memory: bool = True
     compression: str = ""                # "", "lz4" or "zstd"
+    shuffle: bool | None = False
+    seed: int | None = None              # a shuffle's generator's seed; None: torch's global RNG
+    shard: bool = True                   # several consumers and no sampler: DistributedSampler's shares
+    compact_plans: bool = True           # torch's samplers go as descriptions, not every index
+    reproducible: bool = True            # a sample's random draws keyed by its place (dpex.seeding)
+    auth_token: str | None = None        # None: $DPEX_AUTH_TOKEN
+    tls_ca: str | None = None            # a PEM file; None: $DPEX_TLS_CA
+    start_method: str | None = None      # an embedded cluster's processes; None: multiprocessing's
 
     def __post_init__(self) -> None:
         if self.address is not None and self.address != "auto" and not str(self.address).startswith("ray://"):
@@ -63,55 +70,10 @@ class LoaderOptions:
                f"connect_timeout must be >= 0 seconds, got {self.connect_timeout_s!r}")
         _check(isinstance(self.pin_memory_device, str), "pin_memory_device must be a string")
         object.__setattr__(self, "compression", check_compression(self.compression))
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def first_contact_s(self) -> float:
         """How long the dispatcher (and its first worker) is waited for before
         it was ever reached: ``connect_timeout``, or ``timeout`` if shorter."""
         return self.connect_timeout_s if self.timeout_s is None else min(self.connect_timeout_s, self.timeout_s)
-
-
-def index_batch(element: Any, unbatched: bool):
-    """One element of a planning DataLoader's epoch as the plan sends it: a
-    batch of indices or, without auto-batching, one index or one list of them."""
-    from dpex.proto import dispatcher_pb2 as dpb
-    try:
-        if not unbatched:
-            return dpb.IndexBatch(indices=element)
-        if isinstance(element, numbers.Integral):
-            return dpb.IndexBatch(indices=[element])
-        return dpb.IndexBatch(indices=list(element), whole=True)
-    except (TypeError, ValueError):
-        raise DpexConfigError(f"the sampler yielded {element!r}: Dpex plans integer indices (or lists of them) "
-                              "that the workers look up in their dataset") from None
-
-
-class Indices(tud.Dataset):
-    """Stands in for the dataset while planning: item i is i."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-    def __getitems__(self, indices: list[int]) -> list[int]:
-        """A whole batch in one call (torch's fetcher uses it): a plan of 10^7 indices is not 10^7 calls."""
-        return list(indices)
-
-
-def check_sampling(batch_size: int | None, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: bool,
-                   generator: Any, collate_fn: Callable | None, worker_init_fn: Callable | None) -> None:
-    """torch's own checks of a DataLoader's sampling arguments, with torch's
-    messages, made on a stand-in dataset before anything is started."""
-    for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
-        _check(fn is None or callable(fn), f"{name} must be callable or None, got {type(fn).__name__}")
-    if sampler is not None and not hasattr(sampler, "__iter__"):
-        raise DpexConfigError(f"sampler must be iterable, got {type(sampler).__name__}")
-    if batch_sampler is not None and not hasattr(batch_sampler, "__iter__"):
-        raise DpexConfigError(f"batch_sampler must be iterable, got {type(batch_sampler).__name__}")
-    tud.DataLoader(Indices(1), batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                   batch_sampler=batch_sampler, drop_last=drop_last, generator=generator)

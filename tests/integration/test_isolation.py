@@ -150,7 +150,7 @@ def test_a_jobs_whole_permutation_draw_does_not_hold_up_another_job():
     # A shuffled epoch of 3 * 10^8 samples: the worker draws torch's permutation of all
     # of them (about 20 s here) before its first batch. Another job's epoch runs meanwhile,
     # and the drawing job holds one split's room, not the worker's every split.
-    big = dpex.DatasetSpec("dpex.client.options:Indices", 3 * 10**8)
+    big = dpex.DatasetSpec("dpex.client.sampling:Indices", 3 * 10**8)
     with test_cluster(num_workers=1, processes=1, buffer_batches=BUFFER, metrics=True) as c, \
             dpex.RemoteDataLoader(c.address, big, batch_size=1024, shuffle=True, timeout=120) as slow, \
             dpex.RemoteDataLoader(c.address, SPEC, batch_size=4, shuffle=True, seed=2, timeout=10) as quick:

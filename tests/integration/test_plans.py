@@ -8,7 +8,7 @@ import torch
 import torch.utils.data as tud
 
 import dpex
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.dispatcher.journal import FILE_NAME, read_records
 from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
@@ -51,7 +51,7 @@ class EveryThird(tud.Sampler):
 
 def test_ten_million_indices_of_a_foreign_sampler_go_in_chunks_and_survive_a_kill(tmp_path):
     n, size = 3 * 10**7, 10_000  # 10^7 indices planned, 1,000 batches
-    spec = dpex.DatasetSpec("dpex.client.options:Indices", n)  # item i is i
+    spec = dpex.DatasetSpec("dpex.client.sampling:Indices", n)  # item i is i
     sampler = EveryThird(n)
     # 4 MB messages: one message of the plan would be 80 MB.
     with test_cluster(num_workers=2, work_dir=str(tmp_path), split_size_batches=50,
@@ -97,7 +97,7 @@ def test_a_shuffle_sampler_travels_as_a_description_and_gives_torchs_batches_at_
         assert [p.sampler.kind for p in plans] == [dpb.SamplerSpec.SHUFFLE] * 2
         assert all(len(p.SerializeToString()) < 100 for p in plans)
         # a billion samples: the first batch without drawing the rest, on the worker and in torch alike
-        billion = dpex.DatasetSpec("dpex.client.options:Indices", 10**9)
+        billion = dpex.DatasetSpec("dpex.client.sampling:Indices", 10**9)
         with dpex.RemoteDataLoader(c.address, billion, batch_size=1024, sampler=dpex.ShuffleSampler(10**9, seed=1),
                                    timeout=60) as dl:
             torch_first = next(iter(tud.DataLoader(Indices(10**9), batch_size=1024,

@@ -23,7 +23,7 @@ from dpex.rpc import channel
 from dpex.testing import datasets, test_cluster, wait_until
 
 N, B, EPOCHS = 103, 4, 3
-SPEC = dpex.DatasetSpec("dpex.client.options:Indices", N)
+SPEC = dpex.DatasetSpec("dpex.client.sampling:Indices", N)
 PROBE = dpex.DatasetSpec("dpex.testing.datasets:WorkerProbe", N)
 UNEVEN = dpex.DatasetSpec("dpex.testing.datasets:Uneven", 9)  # streams of 9, 18, 27 samples
 STATEFUL = dpex.DatasetSpec("dpex.testing.datasets:StatefulUneven", 9)  # the same, with a state_dict
@@ -180,7 +180,7 @@ def test_a_state_dict_is_small_and_refused_when_it_does_not_fit(c):
     refusals = {
         "consumer 0 of 1.*consumer 1 of 2.*list of all 1 ranks": dict(num_consumers=2, consumer_index=1,
                                                                        job_name="other"),
-        "dataset length 103.*dataset length 50": dict(dataset=dpex.DatasetSpec("dpex.client.options:Indices",
+        "dataset length 103.*dataset length 50": dict(dataset=dpex.DatasetSpec("dpex.client.sampling:Indices",
                                                                                50)),
         "batch size 4.*batch size 5": dict(batch_size=5),
         "job 'saved'.*job is 'another'": dict(job_name="another"),

@@ -6,7 +6,7 @@ import pytest
 import torch.utils.data as tud
 
 from dpex.client.checkpoint import EpochState, Progress, elastic
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.plan import samplers
 
 

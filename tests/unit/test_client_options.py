@@ -24,6 +24,7 @@ from dpex.wire.compression import compress
     (dict(processes=0), "processes must be >= 1 or None"),
     (dict(connect_timeout_s=-1), "connect_timeout must be >= 0"),
     (dict(compression="gzip"), "compression"),
+    (dict(seed=1.5), "seed must be an integer or None"),
 ])
 def test_bad_options_are_refused_naming_the_argument(kwargs, words):
     with pytest.raises(DpexConfigError, match=words):
@@ -34,6 +35,19 @@ def test_good_options_keep_their_values():
     opts = LoaderOptions(address="dpex://h:1", batch_size=None, num_consumers=3, consumer_index=2, timeout_s=1.5,
                          compression="lz4")
     assert (opts.batch_size, opts.consumer_index, opts.compression) == (None, 2, "lz4")
+
+
+def test_every_setting_of_the_loader_defaults_to_its_options_default():
+    """LoaderOptions is the one source of defaults: RemoteDataLoader's signature takes them from it."""
+    import inspect as pyinspect
+    from dpex.client.loader import RemoteDataLoader
+    params = pyinspect.signature(RemoteDataLoader.__init__).parameters
+    renamed = {"timeout_s": "timeout", "connect_timeout_s": "connect_timeout", "start_method": None}
+    for field, default in LoaderOptions.__dataclass_fields__.items():
+        name = renamed.get(field, field)
+        if name is None or name in ("num_consumers", "consumer_index"):  # derived from torch.distributed
+            continue
+        assert params[name].default == default.default, name
 
 
 def frame(batch, compression=""):

@@ -5,7 +5,7 @@ import threading
 import torch
 import torch.utils.data as tud
 
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.worker.planner import Planner

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.errors import DpexConfigError
 from dpex.plan import samplers
 

@@ -9,7 +9,7 @@ import torch.utils.data as tud
 
 from dpex import seeding
 from dpex.client.checkpoint import EpochState, Progress, elastic
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb

@@ -9,7 +9,7 @@ import torch
 import torch.utils.data as tud
 
 import dpex
-from dpex.client.options import Indices
+from dpex.client.sampling import Indices
 from dpex.errors import DpexConfigError
 from dpex.plan import samplers, shuffle
 from dpex.proto import dispatcher_pb2 as dpb
