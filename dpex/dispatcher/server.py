@@ -29,6 +29,7 @@ import grpc
 
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.core import DispatcherCore
+from dpex.dispatcher.reaper import Reaper
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.auth import server_credentials
@@ -88,6 +89,7 @@ class DispatcherServer:
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
         self.core = DispatcherCore(config)
+        self.reaper = Reaper(self.core).start()
         self.service = DispatcherService(self.core)
         self._closed = False
         self._loop = new_event_loop()
@@ -154,6 +156,7 @@ class DispatcherServer:
         self.core.stop_serving()
         if self._servers:
             self._run(self._stop(grace_s))
+        self.reaper.stop()
         self.core.close()
         if self._servers:
             self._pool.shutdown(wait=False)

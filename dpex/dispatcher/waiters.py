@@ -66,6 +66,9 @@ class Waiters:
         self._hungry: OrderedDict[Poll, None] = OrderedDict()  # wanting splits, oldest first
         self._consumers: dict[tuple[int, int], set[Poll]] = {}
         self._tables: dict[Poll, tuple[dict, object]] = {}
+        # worker -> its splits delivered in full: it drops them with its next heartbeat's
+        # answer, and they do not make a waiting heartbeat answer early (Changes.settled).
+        self.settled: dict[str, set[int]] = {}
 
     @property
     def polling(self) -> int:
@@ -96,6 +99,8 @@ class Waiters:
         self._hungry.pop(poll, None)
 
     def wake(self, changes: Changes) -> None:
+        for worker_id, split_ids in changes.settled.items():
+            self.settled.setdefault(worker_id, set()).update(split_ids)
         for worker_id in changes.workers:
             for poll in self._workers.get(worker_id, ()):
                 poll.wake()
@@ -105,6 +110,20 @@ class Waiters:
         for poll in list(itertools.islice(self._hungry, changes.splits_freed)):
             poll.wake()
             self._hungry.move_to_end(poll)  # woken: the next new split goes to another first
+
+    def told(self, worker_id: str, held: set[int], released: list[int]) -> None:
+        """The worker that holds ``held`` was told to drop ``released``: it
+        no longer needs a word of those, nor of settled splits it does not hold."""
+        settled = self.settled.get(worker_id)
+        if settled is not None:
+            settled &= held
+            settled -= set(released)
+            if not settled:
+                del self.settled[worker_id]
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker lost or gone: no settled split of it to tell."""
+        self.settled.pop(worker_id, None)
 
     def wake_all(self) -> None:
         for poll in list(self._tables):

@@ -5,54 +5,14 @@ import asyncio
 
 import pytest
 
-from dpex.config import DispatcherConfig
-from dpex.dispatcher.core import DispatcherCore
+from dpex.dispatcher.reaper import Reaper
 from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
-
-LOCAL = "ipv4:127.0.0.1:40000"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan
 
 
-@pytest.fixture
-def make(tmp_path):
-    cores = []
-
-    def make(clock=None, **kw):
-        kw = {"port": 0, "heartbeat_interval_s": 0.05, "heartbeat_timeout_s": 5.0, "split_size_batches": 2, **kw}
-        core = DispatcherCore(DispatcherConfig(**kw), **({"clock": clock} if clock else {}))
-        cores.append(core)
-        return core
-    yield make
-    for core in cores:
-        core.close()
-
-
-def job(core, name="", consumers=1):
-    return core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
-        name=name, dataset=b"spec", num_consumers=consumers, batch_size=4)), LOCAL).job_id
-
-
-def plan(core, job_id, num_batches, consumer=0, epoch=0, client=1):
-    request = dpb.SubmitPlanRequest(job_id=job_id, consumer_index=consumer, epoch=epoch, base_seed=3,
-                                    client_id=client, batches=[dpb.IndexBatch(indices=[i]) for i in range(num_batches)])
-    return core.submit_plan(request, LOCAL)
-
-
-def heartbeat(core, worker_id, want=4, held=()):
-    return asyncio.run(core.worker_heartbeat(dpb.WorkerHeartbeatRequest(
-        worker_id=worker_id, want_splits=want, held_split_ids=held), LOCAL))
-
-
-def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_learns_their_owners(make):
-    core = make()
+def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_learns_their_owners(make_core):
+    core = make_core()
     worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:7071"), LOCAL).worker_id
     job_id = job(core)
     assert plan(core, job_id, 5).num_batches == 5
@@ -66,8 +26,8 @@ def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_
     assert status.jobs[0].batches_planned == 5 and status.workers[0].splits_held == 3
 
 
-def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make):
-    core = make()
+def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make_core):
+    core = make_core()
     with pytest.raises(DpexConfigError, match="HOST:PORT"):
         core.register_worker(dpb.RegisterWorkerRequest(address="nowhere"), LOCAL)
     with pytest.raises(DpexAuthError, match="loopback"):
@@ -87,9 +47,9 @@ def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make):
         plan(core, named, 4, consumer=0, client=7)  # another loader on a busy consumer
 
 
-def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(make):
+def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(make_core):
     clock = Clock()
-    core = make(clock)
+    core = make_core(clock)
     a = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
     b = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.3:1"), LOCAL).worker_id
     plan(core, job(core), 4)
@@ -97,23 +57,23 @@ def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(
     assert len(taken) == 2
     clock.now += 4
     heartbeat(core, b, want=0)
-    core.reap()
+    Reaper(core).reap()
     assert [w.state for w in core.status().workers] == ["alive", "alive"]
     clock.now += 2  # a: 6 s silent, past its 5 s timeout; b: 2 s
-    core.reap()
+    Reaper(core).reap()
     assert {w.worker_id: w.state for w in core.status().workers} == {a: "lost", b: "alive"}
     assert sorted(s.split_id for s in heartbeat(core, b).splits) == sorted(taken)
 
 
-def test_a_restarted_dispatcher_recovers_workers_jobs_and_plans_from_its_journal(make, tmp_path):
-    core = make(work_dir=str(tmp_path))
+def test_a_restarted_dispatcher_recovers_workers_jobs_and_plans_from_its_journal(make_core, tmp_path):
+    core = make_core(work_dir=str(tmp_path))
     worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
     job_id = job(core, "kept")
     plan(core, job_id, 6)
     held = [s.split_id for s in heartbeat(core, worker).splits]
     core.store.settle(core.store.appended)
     core.close()
-    again = make(work_dir=str(tmp_path))
+    again = make_core(work_dir=str(tmp_path))
     assert job(again, "kept") == job_id
     assert plan(again, job_id, 6).num_batches == 6  # the same plan again: a reconnect, nothing changes
     assert heartbeat(again, worker, held=held).splits == []  # it holds what it held

@@ -1,6 +1,7 @@
 """The dispatcher's pure state machine."""
 import pytest
 
+from dpex.dispatcher import assignment
 from dpex.dispatcher.state import DispatcherState
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
@@ -24,7 +25,7 @@ def submit(state, n, job_id=7, consumer=0, epoch=0, split=2, digest=b"h"):
 
 
 def assign(state, worker_id, n=1):
-    chosen = state.choose_splits(worker_id, n)
+    chosen = assignment.choose_splits(state, worker_id, n)
     return state.apply(jpb.Update(assign_splits=jpb.AssignSplits(worker_id=worker_id, split_ids=chosen)))
 
 
@@ -48,13 +49,6 @@ def test_plan_is_cut_into_splits_and_assigned_lowest_first():
     assert firsts(s, assign(s, "b", 2)) == [(0, 2), (0, 4)]
     assert firsts(s, assign(s, "a", 5)) == [(0, 6)]
     assert assign(s, "b", 1) == []
-
-
-def test_consumers_are_interleaved_so_ranks_advance_together():
-    s = DispatcherState()
-    register(s, "a"), create_job(s, consumers=2)
-    submit(s, 6, consumer=0), submit(s, 6, consumer=1)
-    assert firsts(s, assign(s, "a", 4)) == [(0, 0), (1, 0), (0, 2), (1, 2)]
 
 
 def test_delivery_completes_and_drops_splits():
@@ -116,14 +110,6 @@ def test_release_consumer_cancels_its_plan():
     assert plan.split_ids
 
 
-def test_jobs_share_a_worker_fairly():
-    s = DispatcherState()
-    register(s, "a"), create_job(s, job_id=1), create_job(s, job_id=2)
-    submit(s, 8, job_id=1), submit(s, 8, job_id=2)
-    got = assign(s, "a", 4)
-    assert sorted(s.splits[i].job_id for i in got) == [1, 1, 2, 2]
-
-
 def test_named_jobs_are_found_by_name():
     s = DispatcherState()
     create_job(s, job_id=3, name="imagenet")
@@ -165,14 +151,6 @@ def test_replay_rebuilds_the_same_state():
 def test_unknown_update_kind_is_rejected():
     with pytest.raises(ValueError):
         DispatcherState().apply(jpb.Update())
-
-
-def test_a_worker_gets_no_splits_of_consumers_it_is_saturated_with():
-    s = DispatcherState()
-    register(s, "a"), create_job(s, job_id=7), create_job(s, job_id=8)
-    submit(s, 6, job_id=7), submit(s, 6, job_id=8)
-    chosen = s.choose_splits("a", 4, saturated=frozenset({(7, 0)}))  # job 7's trainer is slow
-    assert {s.plan_of(i).job_id for i in chosen} == {8} and len(chosen) == 3
 
 
 def test_releasing_one_epoch_leaves_a_newer_plan_alone():
@@ -248,7 +226,7 @@ def test_a_resumed_plan_hands_out_only_what_was_not_delivered_before_its_checkpo
               dpb.SeqRange(start=6, end=8)])))
     # splits: [0,1] done, [2,3] half (2 done), [4,5], [6,7] done, [8]
     assert plan.done == 2 and plan.unassigned() == 3
-    ids = s.choose_splits("a", 5)
+    ids = assignment.choose_splits(s, "a", 5)
     s.apply(jpb.Update(assign_splits=jpb.AssignSplits(worker_id="a", split_ids=ids)))
     assert [(s.splits[i].first_seq, sorted(s.splits[i].delivered)) for i in ids] == [(2, [2]), (4, []), (8, [])]
     deliver(s, [3, 4, 5, 8], epoch=3)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from dpex.dispatcher import snapshot, store as store_mod
+from dpex.dispatcher import assignment, snapshot, store as store_mod
 from dpex.dispatcher.state import DispatcherState
 from dpex.dispatcher.store import Store
 from dpex.errors import DpexError
@@ -55,7 +55,7 @@ def test_a_snapshot_restores_the_same_state_and_it_goes_on_the_same():
         live.apply(u)
     again = snapshot.restore(snapshot.take(live))
     assert same(live, again)
-    more = jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w2", split_ids=live.choose_splits("w2", 3)))
+    more = jpb.Update(assign_splits=jpb.AssignSplits(worker_id="w2", split_ids=assignment.choose_splits(live, "w2", 3)))
     live.apply(more), again.apply(more)
     assert same(live, again) and live.workers["w2"].held == again.workers["w2"].held != set()
 

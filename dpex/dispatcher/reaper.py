@@ -1,0 +1,78 @@
+"""The reaper: a thread that marks silent workers lost, releases silent
+consumers' plans, collects workers and jobs gone for their GC timeouts, and
+deletes the plan files nobody needs. dpex.dispatcher.server starts and stops it."""
+from __future__ import annotations
+
+import logging
+import threading
+
+from dpex.dispatcher.journaled import Journaled
+from dpex.log import fields
+from dpex.proto import journal_pb2 as jpb
+
+log = logging.getLogger("dpex.dispatcher")
+
+
+class Reaper:
+    """Runs :meth:`reap` every second or so (a fraction of the heartbeat timeout) until stopped."""
+
+    def __init__(self, j: Journaled) -> None:
+        self._j = j
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpex-reaper", daemon=True)
+
+    def start(self) -> "Reaper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        config = self._j.config
+        period = min(config.heartbeat_interval_s, config.heartbeat_timeout_s / 4, 1.0)
+        while not self._stop.wait(period):
+            self.reap()
+
+    def reap(self) -> None:
+        """One round: silent workers lost, silent consumers released, garbage collected."""
+        j, config = self._j, self._j.config
+        with j.lock:
+            alive = [w.worker_id for w in j.state.alive_workers()]
+            for worker_id in j.seen.silent_workers(alive, config.heartbeat_timeout_s):
+                worker = j.state.workers[worker_id]
+                log.warning("worker missed its heartbeat timeout (%.1fs); marking it lost",
+                            config.heartbeat_timeout_s,
+                            extra=fields(worker_id=worker.worker_id, address=worker.address,
+                                         splits_replanned=len(worker.held)))
+                j.lose_worker(worker.worker_id)
+            for job_id, consumer in j.seen.silent_consumers(config.consumer_timeout_s):
+                if j.state.has_live_plan(job_id, consumer):
+                    log.warning("consumer has not synced for %.0fs; releasing its plan (its "
+                                "workers drop what they hold for it)", config.consumer_timeout_s,
+                                extra=fields(job_id=job_id, consumer=consumer))
+                    j.apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id, consumer_index=consumer,
+                                                                 closed=True))
+            self._collect()
+            j.plan_files.keep({p.plan_file for job in j.state.jobs.values()
+                               for p in job.plans.values() if p.plan_file and not p.finished})
+
+    def _collect(self) -> None:
+        """Garbage collection; the caller holds the lock."""
+        j, config = self._j, self._j.config
+        if config.worker_gc_timeout_s:
+            for worker_id in j.seen.lost_for(config.worker_gc_timeout_s):
+                log.info("forgetting a worker gone for %.0fs", config.worker_gc_timeout_s,
+                         extra=fields(worker_id=worker_id))
+                j.apply(forget_worker=jpb.ForgetWorker(worker_id=worker_id))
+                j.seen.forget_worker(worker_id)
+        if config.job_gc_timeout_s:
+            idle = [job_id for job_id in j.state.jobs if j.state.job_state(job_id) != "running"]
+            for job_id in j.seen.idle_jobs(idle, config.job_gc_timeout_s):
+                log.info("removing a job without consumers for %.0fs", config.job_gc_timeout_s,
+                         extra=fields(job_id=job_id, job_name=j.state.jobs[job_id].definition.name))
+                j.apply(remove_job=jpb.RemoveJob(job_id=job_id))
+                j.seen.forget_job(job_id)
+                j.claims.forget_job(job_id)

@@ -1,0 +1,27 @@
+"""dpex.dispatcher.status: what `dpex status` and the metrics show, counted
+from the state: workers by state, each job's splits and consumers, and the
+workers the trainers' measured rates call for."""
+import asyncio
+
+from dpex.proto import dispatcher_pb2 as dpb
+from tests.unit.dispatching import LOCAL, heartbeat, job, plan
+
+
+def test_workers_jobs_and_what_the_trainers_need(make_core):
+    core = make_core()
+    a = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    b = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.3:1"), LOCAL).worker_id
+    core.deregister_worker(dpb.DeregisterWorkerRequest(worker_id=b), LOCAL)
+    job_id = job(core, "seen", consumers=2)
+    plan(core, job_id, 7)  # 4 splits of 2
+    assert len(heartbeat(core, a, want=1).splits) == 1
+    status = core.status()
+    assert [(w.worker_id, w.state, w.splits_held) for w in status.workers] == [(a, "alive", 1), (b, "left", 0)]
+    (j,) = status.jobs
+    assert (j.name, j.num_consumers, j.batches_planned, j.splits_assigned, j.splits_unassigned) == ("seen", 2, 7, 1, 3)
+    assert (j.state, j.consumers_active, list(j.epochs), status.workers_needed) == ("running", 1, [0], 0)
+    assert status.worker_heartbeats_total == 1 and status.splits_assigned_total == 1
+    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1,
+                                                           workers_needed=3), LOCAL))
+    status = core.status()
+    assert status.jobs[0].workers_needed == 3 and status.workers_needed == 3  # 1 alive + 2 more
