@@ -1,14 +1,10 @@
-"""What the daemons' entry points share: logging, signals, the ready file."""
+"""What the daemons' entry points share: logging and their common flags
+(serving until signalled is dpex.daemon's)."""
 from __future__ import annotations
-
-import logging
-import os
-import signal
-from typing import Any
 
 import click
 
-from dpex.procutil import die_with_parent_from_env, flush_stdio
+from dpex.procutil import die_with_parent_from_env
 
 LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"], case_sensitive=False)
 
@@ -26,47 +22,6 @@ def log_options(fn):
                       help="text: `time LEVEL logger message key=value...`; json: one object per line.")(fn)
     return click.option("--log-level", type=LOG_LEVELS, default="info", envvar="DPEX_LOG_LEVEL",
                         show_envvar=True)(fn)
-
-
-def serve_until_signalled(server: Any, ready_file: str | None) -> None:
-    """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server."""
-    # The signal's own wake-up byte, not a flag polled: the kernel may deliver the
-    # signal to a gRPC thread, and Python runs handlers only in the main thread;
-    # the C-level handler writes the byte to this pipe from any thread. (A flag
-    # set by the handler would do too, but only when the main thread next runs.)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # A no-op handler: an Event.set() here could run inside another handler
-        # (a burst of SIGTERMs) and wait for a lock the outer one holds, forever.
-        signal.signal(sig, lambda signum, _: None)
-    old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    if ready_file:
-        tmp = f"{ready_file}.tmp"
-        metrics = getattr(server, "metrics", None)
-        with open(tmp, "w") as f:  # the address, then the metrics port (if any)
-            f.write(server.address + (f"\n{metrics.port}" if metrics is not None else ""))
-        os.replace(tmp, ready_file)
-    stops = {signal.SIGTERM, signal.SIGINT}
-    while not stops & set(os.read(wake_r, 64)):  # a byte per signal: its number
-        pass
-    signal.set_wakeup_fd(old_wakeup)
-    os.close(wake_r)
-    os.close(wake_w)
-    logging.getLogger("dpex").info("shutting down")
-    server.close()
-
-
-def exit_now(code: int = 0) -> None:
-    """Ends a daemon whose server is closed: the exit handlers run (logs,
-    multiprocessing's children and files), then the process ends without
-    Python tearing down its modules one by one (torch's take half a second
-    of CPU, and a daemon has nothing left to keep)."""
-    import atexit
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    flush_stdio()
-    os._exit(code)
 
 
 def auth_options(fn):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
-                             exit_now, serve_until_signalled, setup_logging)
+from dpex.cmd.common import auth_options, fail, log_options, message_limit_option, metrics_option, setup_logging
+from dpex.daemon import exit_now, serve_until_signalled
 from dpex.config import DispatcherConfig
 from dpex.errors import DpexError
 

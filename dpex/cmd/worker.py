@@ -5,8 +5,9 @@ import click
 
 from dpex.auth import load_token
 from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
-                             exit_now, serve_until_signalled, setup_logging, tls_ca_option)
+                             setup_logging, tls_ca_option)
 from dpex.config import WorkerConfig
+from dpex.daemon import exit_now
 from dpex.errors import DpexError
 from dpex.procutil import reuse_freed_memory
 
@@ -79,7 +80,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
     """
     setup_logging(log_level, log_format)
     reuse_freed_memory()  # frames are read, sent and freed per batch: reuse their memory
-    from dpex.worker.server import WorkerServer
+    from dpex.worker import daemon
     try:
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
                               processes=processes, buffer_batches=buffer_batches,
@@ -92,35 +93,10 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
                               data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
                               data_paths=tuple(data_paths), in_turn=in_turn)
-        pool = forked_pool(config)
-        try:
-            server = WorkerServer(config, pool=pool)
-        except BaseException:
-            if pool is not None:  # its processes go too (closing twice is nothing)
-                pool.close()
-            raise
+        daemon.run(config, daemon.forked_pool(config), ready_file)
     except DpexError as e:
         fail(str(e))
-    serve_until_signalled(server, ready_file)
     exit_now()
-
-
-def forked_pool(config: WorkerConfig):
-    """The batch processes, forked now, before this daemon runs any thread,
-    from a process that has imported torch (which it needs anyway, to draw
-    torch's samplers): none of them imports torch again, as torch's
-    DataLoader forks its workers. None where forking is not safe here: the
-    server then spawns them."""
-    from dpex.launch.forked import can_fork
-    from dpex.worker.pool import BatchPool
-    from dpex.worker.server import check_code_source, check_data_paths
-    check_code_source(config)  # a worker that would refuse to start forks nothing
-    check_data_paths(config.data_paths)
-    if not can_fork():
-        return None
-    import torch  # noqa: F401 - what the forked processes inherit
-    return BatchPool(config.processes, shared_memory=config.shared_memory, handoff_min_bytes=config.shm_min_bytes,
-                     fork=True, in_turn=config.in_turn)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ processes (forked in turn, before the worker runs any thread) make their
 first batch without a cold interpreter's second of imports.
 
 Forking is safe only before gRPC runs threads in the trainer (its threads
-would be missing in the child, holding its locks): :func:`can_fork` checks
+would be missing in the child, holding its locks): :func:`dpex.daemon.can_fork` checks
 that, and the embedded cluster spawns its worker otherwise.
 """
 from __future__ import annotations
@@ -19,29 +19,7 @@ import threading
 import time
 import types
 
-# Threads that gRPC's core starts at its first channel or server (their
-# names, cut to 15 characters by the kernel).
-_GRPC_THREADS = ("grpc", "event_engine", "lifeguard", "default-executo", "resolver-execut")
-
-
-def can_fork() -> bool:
-    """This process may fork a worker: Linux's fork, and no gRPC thread yet."""
-    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
-        return False
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return False
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # a thread that just ended
-            continue
-        if name.startswith(_GRPC_THREADS):
-            return False
-    return True
-
+from dpex import stdlib
 
 class ForkedProcess:
     """What LocalCluster needs of a subprocess.Popen, for a forked child."""
@@ -112,7 +90,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     gc.freeze()
     _leave_trainers_main()
     os.setsid()  # as the embedded dispatcher: a Ctrl-C to the trainer's process group is the trainer's
-    _forget_trainers_forkserver()
+    stdlib.forget_forkserver()  # the trainer's is not this process's child: its streams start their own
     for sig in signal.valid_signals():  # the trainer's handlers are not ours
         if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
             signal.signal(sig, signal.SIG_DFL)
@@ -128,12 +106,11 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
-    from dpex.cmd.common import serve_until_signalled
     from dpex.config import WorkerConfig
     from dpex.log import setup
     from dpex.procutil import reuse_freed_memory
+    from dpex.worker import daemon
     from dpex.worker.pool import BatchPool
-    from dpex.worker.server import WorkerServer
 
     setup("info")
     # First, while this process has one thread: the batch processes, forked with torch imported.
@@ -142,16 +119,16 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     try:
         reuse_freed_memory()  # as dpex-worker; after the fork: the batch processes keep glibc's defaults
         address = _read_address(address_pipe)
-        if not address:
-            return  # the dispatcher did not start: the trainer reports why
+        if not address:  # the dispatcher did not start: the trainer reports why
+            pool.close()
+            return
         config = WorkerConfig(dispatcher=address, host=host, port=0, processes=processes, auth_token=auth_token,
                               in_turn=True, drain_timeout_s=0)  # nobody else uses it: nothing to drain
-        server = WorkerServer(config, pool=pool)
     except BaseException:
         pool.close()
         raise
     _watch(trainer)
-    serve_until_signalled(server, ready)
+    daemon.run(config, pool, ready)
 
 
 def _leave_trainers_main() -> None:
@@ -161,17 +138,6 @@ def _leave_trainers_main() -> None:
     guard would build its loader there, over and over. What the worker
     needs of the script comes by value, in its jobs."""
     sys.modules["__main__"] = sys.modules["__mp_main__"] = types.ModuleType("__main__")
-
-
-def _forget_trainers_forkserver() -> None:
-    """A forkserver the trainer started is not this process's child: its
-    streams' own is started when they need it (multiprocessing would wait
-    for the trainer's and fail)."""
-    import multiprocessing.forkserver as forkserver
-    server = forkserver._forkserver
-    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-    server._inherited_fds = None
-    server._lock = threading.Lock()
 
 
 def _read_address(fd: int) -> str:

@@ -7,82 +7,21 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from dpex.config import DispatcherConfig, WorkerConfig
 from dpex.errors import DpexConfigError, DpexError, DpexWorkerError
 from dpex.auth import TOKEN_ENV
-from dpex.launch.forked import ForkedProcess, can_fork, fork_worker
+from dpex.daemon import Daemon, await_ready, can_fork, exit_reason, spawn, stop_process
+from dpex.launch.forked import ForkedProcess, fork_worker
 from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
 from dpex import shm
 
 _log = logging.getLogger("dpex.launch")
 
 START_TIMEOUT_S = 120.0  # how long a daemon may take to serve, however loaded the machine
-
-
-@dataclass
-class Daemon:
-    """One daemon process started by a LocalCluster."""
-    name: str
-    process: subprocess.Popen
-    address: str
-    log_path: str
-    metrics_port: int | None = None  # with LocalCluster(metrics=True)
-
-    @property
-    def metrics_url(self) -> str | None:
-        if self.metrics_port is None:
-            return None
-        return f"http://{self.address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM (a daemon drains), then SIGKILL after ``timeout_s``."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def spawn(args: list[str], ready: str, log_path: str, env: dict[str, str], **popen: Any) -> subprocess.Popen:
-    """Starts ``python -m ARGS --ready-file READY``, its output appended to ``log_path``."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", *args, "--ready-file", ready], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, env=env, **popen)
-
-
-def await_ready(name: str, process: subprocess.Popen, ready: str, log_path: str,
-                timeout_s: float) -> Daemon:
-    """Waits for a daemon started with ``--ready-file ready`` to serve; a
-    DpexError with its log's tail if it exits or does not serve in time."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(ready):
-        daemon = Daemon(name, process, "", log_path)
-        if process.poll() is not None:
-            raise DpexError(f"{name} exited with code {process.returncode} at start:\n{daemon.log_tail()}")
-        if time.monotonic() > deadline:
-            stop_process(process)
-            raise DpexError(f"{name} did not start within {timeout_s:g}s:\n{daemon.log_tail()}")
-        time.sleep(0.05)
-    with open(ready) as f:
-        address, *metrics = f.read().split()
-    return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None)
 
 
 class LocalCluster:
@@ -265,18 +204,6 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def exit_reason(pid: int, code: int) -> str:
-    """A daemon's end in torch's words for its workers' ("DataLoader worker
-    (pid N) is killed by signal: Killed.")."""
-    if code < 0:
-        try:
-            name = signal.strsignal(-code) or f"signal {-code}"
-        except ValueError:
-            name = f"signal {-code}"
-        return f"(pid {pid}) is killed by signal: {name}."
-    return f"(pid {pid}) exited unexpectedly with exit code {code}."
 
 
 # ---- the embedded cluster of a trainer process ------------------------------------------

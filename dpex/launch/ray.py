@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dpex.auth import TOKEN_ENV
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError
-from dpex.launch.local import Daemon, await_ready, spawn, stop_process
+from dpex.daemon import Daemon, await_ready, spawn, stop_process
 from dpex.procutil import PARENT_ENV, temp_dir
 from dpex.rpc import answers_tcp
 

@@ -16,7 +16,7 @@ from concurrent.futures.process import BrokenProcessPool
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
-from dpex import shm
+from dpex import shm, stdlib
 from dpex.worker import runtime
 from dpex.worker.runtime import Task
 
@@ -65,7 +65,7 @@ class BatchPool:
         self._executors = [self._executor(first, fork) for first in groups]
         if fork:  # every process forked before any executor runs its thread: the daemon has none yet
             for executor in self._executors:
-                executor._launch_processes()
+                stdlib.start_executor_processes(executor)
         # Start every child now, not at the first batch, without waiting for
         # them to import torch: the daemon serves meanwhile, and a batch asked
         # for waits for a child, as it would anyway. Started from this thread:
@@ -73,7 +73,7 @@ class BatchPool:
         for executor in self._executors:
             self._warm(executor)
         # The processes, kept here: a broken executor may have let go of them when death() asks.
-        self._children = [self._processes_of(executor) for executor in self._executors]
+        self._children = [stdlib.executor_processes(executor) for executor in self._executors]
 
     def set_address(self, worker_address: str) -> None:
         """The worker's address, as its batch processes report it."""
@@ -90,10 +90,6 @@ class BatchPool:
         """Starts each of its processes (a spawned executor starts them as tasks come)."""
         for _ in range(self._size):
             executor.submit(runtime.warm_up)
-
-    @staticmethod
-    def _processes_of(executor: ProcessPoolExecutor) -> list:
-        return list(getattr(executor, "_processes", {}).values())
 
     def _route(self, lane: Hashable | None, passing: bool) -> int:
         """The executor for the next batch of ``lane`` (None: the least busy);
@@ -127,7 +123,7 @@ class BatchPool:
                 self._executors[index].shutdown(wait=False, cancel_futures=True)
                 self._executors[index] = self._executor(index * self._size, fork=False)  # the daemon runs threads
                 self._warm(self._executors[index])
-                self._children[index] = self._processes_of(self._executors[index])
+                self._children[index] = stdlib.executor_processes(self._executors[index])
                 future = self._executors[index].submit(fn, *args)
             with self._count_lock:
                 self._queued[index] += 1
@@ -174,7 +170,7 @@ class BatchPool:
                 return
             self._closed = True
             for executor in self._executors:
-                for process in self._processes_of(executor):
+                for process in stdlib.executor_processes(executor):
                     if process.is_alive():
                         process.terminate()
             for executor in self._executors:

@@ -20,7 +20,7 @@ import cloudpickle
 from dpex.plan.seq import stream_seq
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts
-from dpex import seeding, wire
+from dpex import seeding, stdlib, wire
 from dpex.worker import runtime
 
 log = logging.getLogger("dpex.worker")
@@ -163,7 +163,7 @@ def stream_context(temp_dir: str) -> Any:
     if this one is killed (multiprocessing's own would stay behind)."""
     global _context
     if _context is None:
-        multiprocessing.current_process()._config.setdefault("tempdir", temp_dir)
+        stdlib.set_multiprocessing_tempdir(temp_dir)
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["torch", "dpex.worker.stream"])
         _context = context

@@ -84,7 +84,7 @@ def test_a_trainer_where_grpc_runs_threads_spawns_its_worker_instead():
             grpc.channel_ready_future(channel).result(timeout=0.2)  # gRPC's threads start
         except grpc.FutureTimeoutError:
             pass
-        from dpex.launch.forked import can_fork
+        from dpex.daemon import can_fork
         torch_loader, dpex_loader = loaders(num_workers=1, multiprocessing_context=sys.argv[1])
         want = epoch(torch_loader)
         print(json.dumps(dict(can_fork=can_fork(), want=want, got=epoch(dpex_loader), kinds=kinds())))
