@@ -17,10 +17,8 @@ files of trainers that died are removed by the worker. Batch processes write
 each frame over a spare's pages when there is one, keeping at most one spare
 per process.
 
-Also the keys a trainer and a worker exchange in a Fetch stream's metadata
-to pair the stream with the worker's data port (dpex.worker.dataport): the
-protocols the worker, the client and the launcher share live here, not in
-one of their users."""
+The worker, the client and the launcher share this protocol: it lives here,
+not in one of its users (the Fetch stream's keys are dpex.wire.pairing's)."""
 from __future__ import annotations
 
 import mmap
@@ -36,9 +34,6 @@ SHM = "/dev/shm"
 MIN_BYTES = 1 << 20  # below this the pipe is as cheap
 SPARE = ".spare-"  # a file read and sent, kept for the next frame to overwrite
 LENT = ".lent-"    # a file a trainer has mapped: .lent-<trainer pid>-<name>
-HOST_METADATA = "dpex-host"  # a trainer's host id on its Fetch stream: the same as ours, it may map files
-REQUEST_METADATA = "dpex-data"  # a trainer on another host asks for its frames on the data port
-PORT_METADATA, KEY_METADATA = "dpex-data-port", "dpex-data-key"  # where to connect, and the key to send there
 
 
 class Handoff(NamedTuple):

@@ -19,7 +19,8 @@ from dpex.errors import DpexWireError
 from dpex.rpc import channel
 from dpex.wire import parse_frame
 from dpex import shm
-from dpex.shm import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA, host_id
+from dpex.shm import host_id
+from dpex.wire.pairing import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 
 log = logging.getLogger("dpex.client")
 

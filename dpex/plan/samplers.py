@@ -19,7 +19,8 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from dpex.errors import DpexConfigError
 from dpex.plan import shuffle
@@ -102,20 +103,16 @@ def describe(loader: Any) -> Spec | None:
 # ---- sizes ------------------------------------------------------------------------------------
 def num_samples(spec: Spec) -> int:
     """len(sampler)."""
-    if spec.kind == Spec.RANDOM:
-        return spec.num_samples
-    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE):
-        return shuffle.num_samples(spec.length, spec.num_replicas, spec.sampler_drop_last)
-    return spec.length
+    return _KINDS[spec.kind].num_samples(spec)
 
 
 def validate(spec: Spec) -> None:
     """Refuses a description no sampler makes (a bad client's)."""
-    if spec.kind not in Spec.Kind.values():
+    if spec.kind not in _KINDS:
         raise DpexConfigError(f"a plan describes a sampler of unknown kind {spec.kind}")
     if spec.batch_size < 1:
         raise DpexConfigError(f"a plan describes batches of {spec.batch_size} samples")
-    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE) and not spec.rank < spec.num_replicas:
+    if _KINDS[spec.kind].sharded and not spec.rank < spec.num_replicas:
         raise DpexConfigError(f"a plan describes rank {spec.rank} of {spec.num_replicas} replicas")
 
 
@@ -129,7 +126,7 @@ def num_batches(spec: Spec) -> int:
 def draws_order(spec: Spec) -> bool:
     """Whether a split's batches need the epoch's whole permutation drawn first
     (O(length) time and memory, once per process and epoch)."""
-    return spec.kind == Spec.RANDOM or (spec.kind == Spec.DISTRIBUTED and spec.shuffle)
+    return _KINDS[spec.kind].draws_order(spec)
 
 
 def _span(spec: Spec, first: int, count: int) -> tuple[int, int]:
@@ -150,14 +147,7 @@ def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
     start, stop = _span(spec, first, count)
     if start >= stop:
         return []
-    if spec.kind == Spec.SEQUENTIAL:
-        flat = list(range(start, stop))
-    elif spec.kind == Spec.RANDOM:
-        flat = _order(spec)[start:stop].tolist()
-    elif spec.kind == Spec.SHUFFLE:
-        flat = shuffle.indices(spec.length, spec.seed, spec.num_replicas, spec.rank, start, stop).tolist()
-    else:
-        flat = _distributed(spec, start, stop)
+    flat = _KINDS[spec.kind].indices(spec, start, stop)
     return [flat[i:i + size] for i in range(0, len(flat), size)]
 
 
@@ -169,7 +159,7 @@ def places(spec: Spec, first: int, count: int) -> list[list[int]]:
     ``place_offset + j * place_stride`` for the consumer's j-th sample."""
     size = spec.batch_size
     start, stop = _span(spec, first, count)
-    if spec.kind in (Spec.DISTRIBUTED, Spec.SHUFFLE):
+    if _KINDS[spec.kind].sharded:
         offset, stride = spec.rank, spec.num_replicas
     else:
         offset, stride = spec.place_offset, max(1, spec.place_stride)
@@ -247,9 +237,8 @@ def _generator(spec: Spec) -> Any:
 
 def _compute(spec: Spec) -> Any:
     import torch
-    n = spec.length
     if spec.kind == Spec.DISTRIBUTED:  # DistributedSampler: randperm of a generator seeded seed + epoch
-        return torch.randperm(n, generator=_generator(spec))
+        return torch.randperm(spec.length, generator=_generator(spec))
     return _draw(spec, _generator(spec))
 
 
@@ -273,3 +262,40 @@ def _advance(spec: Spec, generator: Any) -> None:
     if not spec.replacement and spec.num_samples % spec.length == 0:
         import torch
         torch.randperm(spec.length, generator=generator)
+
+
+# ---- the kinds ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    """What a described sampler's kind means, in one place.
+
+    ``sharded``: the sampler takes one rank's share of the dataset, sample j
+    of rank r at position ``r + j * num_replicas`` of a padded order (its
+    place, the same whatever the number of ranks: dpex.seeding); otherwise a
+    consumer plans the whole order, its j-th sample placed at
+    ``place_offset + j * place_stride``. ``num_samples``: len(sampler).
+    ``indices``: positions start..stop-1 of the sampler's order.
+    ``draws_order``: a split needs the epoch's whole permutation drawn first."""
+    sharded: bool
+    num_samples: Callable[[Spec], int]
+    indices: Callable[[Spec, int, int], list[int]]
+    draws_order: Callable[[Spec], bool]
+
+
+def _shard_size(spec: Spec) -> int:
+    return shuffle.num_samples(spec.length, spec.num_replicas, spec.sampler_drop_last)
+
+
+_KINDS: dict[int, Kind] = {
+    Spec.SEQUENTIAL: Kind(sharded=False, num_samples=lambda spec: spec.length,
+                          indices=lambda spec, start, stop: list(range(start, stop)),
+                          draws_order=lambda spec: False),
+    Spec.RANDOM: Kind(sharded=False, num_samples=lambda spec: spec.num_samples,
+                      indices=lambda spec, start, stop: _order(spec)[start:stop].tolist(),
+                      draws_order=lambda spec: True),
+    Spec.DISTRIBUTED: Kind(sharded=True, num_samples=_shard_size, indices=lambda spec, start, stop:
+                           _distributed(spec, start, stop), draws_order=lambda spec: spec.shuffle),
+    Spec.SHUFFLE: Kind(sharded=True, num_samples=_shard_size, indices=lambda spec, start, stop: shuffle.indices(
+                       spec.length, spec.seed, spec.num_replicas, spec.rank, start, stop).tolist(),
+                       draws_order=lambda spec: False),
+}

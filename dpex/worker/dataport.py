@@ -27,9 +27,10 @@ import socket
 import threading
 import time
 
+from dpex.wire.pairing import KEY_BYTES
+
 log = logging.getLogger("dpex.worker")
 
-KEY_BYTES = 16
 _UNCLAIMED_S = 30.0   # a socket no stream claims in this time is closed
 _HANDSHAKE_S = 5.0    # to send its key
 _MAX_HANDSHAKES_PER_HOST = 16  # sockets of one source address still to send their key

@@ -15,7 +15,8 @@ from dpex.rpc import servicer_method
 from dpex.wire import build_frame, parse_frame
 from dpex import shm
 from dpex.worker.dataport import DataPort, Sender
-from dpex.shm import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA, Handoff
+from dpex.shm import Handoff
+from dpex.wire.pairing import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 from dpex.worker.scheduler import Key, Scheduler
 
 log = logging.getLogger("dpex.worker")

@@ -7,7 +7,8 @@ import pytest
 
 from dpex.testing import wait_until
 from dpex.worker import dataport
-from dpex.worker.dataport import KEY_BYTES, DataPort, Sender
+from dpex.wire.pairing import KEY_BYTES
+from dpex.worker.dataport import DataPort, Sender
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import torch.utils.data as tud
 from dpex.client.sampling import Indices
 from dpex.errors import DpexConfigError
 from dpex.plan import samplers
+from dpex.proto import dispatcher_pb2 as dpb
 
 
 def _loader(n, generator=None, **kw):
@@ -146,3 +147,9 @@ def test_a_hundred_million_shuffled_spot_checked_against_torchs_sampler():
         at = (k + 1) * size
         assert samplers.batches(spec, k, 1) == [expected]
     del indices
+
+
+def test_every_kind_a_plan_can_name_has_its_meaning_in_one_table():
+    assert set(samplers._KINDS) == set(dpb.SamplerSpec.Kind.values())
+    assert [k for k, kind in samplers._KINDS.items() if kind.sharded] == [dpb.SamplerSpec.DISTRIBUTED,
+                                                                          dpb.SamplerSpec.SHUFFLE]

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from dpex.proto import worker_pb2 as wpb
-from dpex.shm import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
+from dpex.wire.pairing import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 from dpex.testing import wait_until
 from dpex.wire import build_frame, parse_frame
 from dpex.worker.dataport import DataPort
