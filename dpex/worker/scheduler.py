@@ -51,13 +51,13 @@ class Scheduler:
         self._max_inflight = max_inflight
         self._address = worker_address
         self._grace_s = unknown_grace_s
-        self._cond = threading.Condition()
-        self._held = Held()
-        self._queues = Queues()
-        self._running: set[Key] = set()                 # being made by the pool
-        self._ahead: set[Key] = set()                   # running keys started before any request
-        self._saturated: set[Consumer] = set()          # as free_capacity() last said
-        self._closed = False
+        self._cond = threading.Condition()  # guards every field below, and the runners' and budget's state
+        self._held = Held()                             # guarded by _cond
+        self._queues = Queues()                         # guarded by _cond
+        self._running: set[Key] = set()                 # guarded by _cond: being made by the pool
+        self._ahead: set[Key] = set()                   # guarded by _cond: running keys started before any request
+        self._saturated: set[Consumer] = set()          # guarded by _cond: as free_capacity() last said
+        self._closed = False                            # guarded by _cond
         self._planner: Planner[MapRunner] = Planner(lambda runner: runner.split, self._holds, self._planned)
         self.on_capacity: Callable[[], None] = lambda: None  # a held split has nothing left to produce
         self._thread = threading.Thread(target=self._run, name="dpex-scheduler")
