@@ -77,6 +77,7 @@ class WorkerConfig:
     drain_timeout_s: float = 2.0         # on SIGTERM, answer in-flight calls this long, then kill and exit
     data_paths: tuple[str, ...] = ()     # local data this node must have; a worker without one refuses to start
     in_turn: bool = False                # batch processes take a consumer's batches in turn, as torch's workers
+    share_cache_bytes: int = 1 << 30     # batches kept for jobs of one definition (dpex.worker.sharing); 0: off
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")
@@ -95,3 +96,4 @@ class WorkerConfig:
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
         _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _check(self.share_cache_bytes >= 0, "share_cache_bytes must be >= 0 (0: nothing is shared)")

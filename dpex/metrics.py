@@ -69,6 +69,10 @@ def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
         "bytes_produced": _counter(f"{prefix}bytes_produced", "Bytes of batch frames produced.", labels),
         "batches_sent": _counter(f"{prefix}batches_sent", "Batch frames sent to trainers.", labels),
         "bytes_sent": _counter(f"{prefix}bytes_sent", "Bytes of batch frames sent to trainers.", labels),
+        "share_hits": _counter(f"{prefix}share_hits", "Batches a job got from another job of its definition's "
+                               "making (made once, dpex.worker.sharing).", labels),
+        "share_misses": _counter(f"{prefix}share_misses", "Batches of jobs that share made here.", labels),
+        "share_bytes": _gauge(f"{prefix}share_bytes", "Bytes kept for jobs of one definition.", labels),
     }
     for values, load in loads:
         for field, family in families.items():

@@ -107,7 +107,8 @@ class DpexDataLoader(DataLoader[_T_co]):
     torch's workers are, else spawned. ``reproducible`` (Dpex's own, default
     True): a sample's random draws are keyed by the epoch's base seed and its
     place in the plan, not by the process that makes it (see
-    ``RemoteDataLoader``).
+    ``RemoteDataLoader``); ``share`` (Dpex's own, default True): jobs of an
+    equal definition make each batch once (see ``RemoteDataLoader``).
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -124,7 +125,8 @@ class DpexDataLoader(DataLoader[_T_co]):
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True) -> None:
+                 in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True,
+                 share: bool = True) -> None:
         # Every argument as given, for a rebuild from the instance (Lightning reads the attributes named as
         # __init__'s parameters) and for pickling (a spawned rank builds its own loader from them).
         self._init_args = dict(
@@ -133,14 +135,14 @@ class DpexDataLoader(DataLoader[_T_co]):
             collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
-            pin_memory_device=pin_memory_device, reproducible=reproducible)
+            pin_memory_device=pin_memory_device, reproducible=reproducible, share=share)
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
                       pin_memory_device=pin_memory_device, num_workers=num_workers,
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
-                      multiprocessing_context=multiprocessing_context, reproducible=reproducible)
+                      multiprocessing_context=multiprocessing_context, reproducible=reproducible, share=share)
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
@@ -173,7 +175,7 @@ class DpexDataLoader(DataLoader[_T_co]):
     def _keep_dpex_args(self) -> None:
         """Dpex's own arguments as instance attributes, as torch keeps its own,
         and in a framework's record of the arguments (see _framework_record)."""
-        for name in ("distribute_mode", "head_address", "reproducible"):
+        for name in ("distribute_mode", "head_address", "reproducible", "share"):
             object.__setattr__(self, name, self._init_args[name])
         _framework_record(self)
 

@@ -147,6 +147,10 @@ class RemoteDataLoader:
     With torch's own samplers an epoch's plan is sent as a description and
     the workers compute its index batches (they need the trainer's torch
     release); ``compact_plans=False``, or any other sampler, sends every index.
+    With ``share`` (the default) and keyed draws, jobs of an equal definition
+    (the same dataset, code and settings; a sweep's trials) get each batch
+    made once on a worker, each its own copy, bitwise what it would have
+    made alone (see dpex.worker.sharing); ``share=False`` opts out.
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -162,7 +166,7 @@ class RemoteDataLoader:
                  connect_timeout: float = _O.connect_timeout_s, shared_memory: bool = _O.shared_memory,
                  compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
                  shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
-                 reproducible: bool = _O.reproducible) -> None:
+                 reproducible: bool = _O.reproducible, share: bool = _O.share) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
@@ -181,7 +185,8 @@ class RemoteDataLoader:
             pin_memory_device=pin_memory_device, num_workers=num_workers, processes=processes,
             connect_timeout_s=connect_timeout, shared_memory=shared_memory, compression=compression or "",
             shuffle=shuffle, seed=seed, shard=shard, compact_plans=compact_plans, reproducible=reproducible,
-            auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context))
+            auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context),
+            share=bool(share))
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,

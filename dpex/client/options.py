@@ -48,6 +48,7 @@ class LoaderOptions:
     auth_token: str | None = None        # None: $DPEX_AUTH_TOKEN
     tls_ca: str | None = None            # a PEM file; None: $DPEX_TLS_CA
     start_method: str | None = None      # an embedded cluster's processes; None: multiprocessing's
+    share: bool = True                   # equal jobs' batches made once (dpex.worker.sharing)
 
     def __post_init__(self) -> None:
         if self.address is not None and self.address != "auto" and not str(self.address).startswith("ray://"):

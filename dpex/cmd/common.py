@@ -59,5 +59,24 @@ def message_limit_option(default_mb: int, what: str):
     return add
 
 
+class ByteSize(click.ParamType):
+    """A number of bytes: 1073741824, 1G, 512M or 64K (powers of 1024)."""
+    name = "bytes"
+    _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in self._UNITS else ""
+        try:
+            number = float(text[:len(text) - len(unit)])
+        except ValueError:
+            self.fail(f"{value!r} is not a size (e.g. 1073741824, 1G, 512M)", param, ctx)
+        if number < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return int(number * self._UNITS[unit])
+
+
 def fail(message: str) -> None:
     raise click.ClickException(message)

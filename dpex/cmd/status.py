@@ -32,28 +32,31 @@ def render(status) -> str:
              f"workers needed by the trainers' rates: {status.workers_needed or '-'}", "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
-             "PRODUCED", "SENT", "SENT BYTES", "HEARTBEAT")]
+             "PRODUCED", "SHARED", "SENT", "SENT BYTES", "HEARTBEAT")]
     for w in status.workers:
         load = w.load
         if w.state != "alive":  # no load of a worker that is gone
-            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 8, "-"))
+            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 9, "-"))
             continue
         rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
                      f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
-                     str(load.fetch_streams), str(load.batches_produced), str(load.batches_sent),
+                     str(load.fetch_streams), str(load.batches_produced),
+                     f"{load.share_hits} ({_mb(load.share_bytes)} kept)" if load.share_hits or load.share_bytes
+                     else "-", str(load.batches_sent),
                      _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago"))
     lines += _table(rows)
     jobs = {s: [j for j in status.jobs if j.state == s] for s in ("running", "idle", "finished")}
     lines += ["", f"JOBS ({len(jobs['running'])} running, {len(jobs['idle'])} idle, "
                   f"{len(jobs['finished'])} finished)"]
     rows = [("ID", "NAME", "STATE", "CONSUMERS", "EPOCH", "PLANNED", "DELIVERED", "DONE", "SPLITS ASSIGNED",
-             "UNASSIGNED")]
+             "UNASSIGNED", "SHARES")]
     for j in jobs["running"] + jobs["idle"] + jobs["finished"]:  # live ones first
         done = f"{100 * j.batches_delivered / j.batches_planned:.0f}%" if j.batches_planned else "-"
         epochs = sorted(set(j.epochs))
         rows.append((str(j.job_id), j.name or "-", j.state, f"{j.consumers_active} active / {j.num_consumers}",
                      "-" if not epochs else "/".join(map(str, epochs)), str(j.batches_planned),
-                     str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned)))
+                     str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned),
+                     j.shares or "-"))
     lines += _table(rows)
     return "\n".join(lines)
 
@@ -74,8 +77,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON instead of tables.")
 def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None,
            as_json: bool) -> None:
-    """Show workers (state, splits held, load, batches produced and sent,
-    heartbeat) and jobs (consumers, epoch, batches planned and delivered)."""
+    """Show workers (state, splits held, load, batches produced, shared and
+    sent, heartbeat) and jobs (consumers, epoch, batches planned and
+    delivered, and which share their batches: equal SHARES)."""
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     from dpex.auth import load_ca, load_token

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option,
+from dpex.cmd.common import (ByteSize, auth_options, fail, log_options, message_limit_option, metrics_option,
                              setup_logging, tls_ca_option)
 from dpex.config import WorkerConfig
 from dpex.daemon import exit_now
@@ -54,6 +54,10 @@ _W = WorkerConfig  # its fields' defaults are the flags'
               "workers do (get_worker_info().id as in torch); with in_order=False a batch still passes a busy "
               "process. Default: the processes share one queue, each taking the next batch when it is free, which "
               "keeps them all busy when they run at different speeds.")
+@click.option("--share-cache-bytes", type=ByteSize(), default=_W.share_cache_bytes, envvar="DPEX_SHARE_CACHE_BYTES",
+              show_envvar=True, help="Memory for batches made for one job and kept for the other jobs of the "
+              "same definition (a sweep's trials: each batch is made once for all; see README, 'Sharing'); "
+              "e.g. 1G or 512M; 0: nothing is shared.")
 @click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,
               help="Local data this node must have (repeatable; environment variables in it are expanded; "
               "DPEX_DATA_PATH: paths separated by ':'); without it the worker refuses to start, naming the path.")
@@ -66,7 +70,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
          buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float,
          connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
-         in_turn: bool, data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
+         in_turn: bool, share_cache_bytes: int, data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
@@ -92,7 +96,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
                               data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
-                              data_paths=tuple(data_paths), in_turn=in_turn)
+                              data_paths=tuple(data_paths), in_turn=in_turn, share_cache_bytes=share_cache_bytes)
         daemon.run(config, daemon.forked_pool(config), ready_file)
     except DpexError as e:
         fail(str(e))

@@ -18,6 +18,7 @@ from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import Outage, call, channel
 from dpex.worker.scheduler import Scheduler
 from dpex.log import fields, set_context
+from dpex.plan.spec import share_digest
 
 log = logging.getLogger("dpex.worker")
 
@@ -28,7 +29,8 @@ class DispatcherAgent:
         self._address = address
         self._scheduler = scheduler
         self._job_dir = job_dir
-        self._out_of_order: dict[int, bool] = {}  # by job: its batches may pass a busy batch process
+        self._jobs: dict[int, dpb.JobDef] = {}  # by job: its definition, without its code
+        self._digests: dict[int, bytes | None] = {}  # by job: what it shares (dpex.plan.spec.share_digest)
         self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
@@ -103,9 +105,9 @@ class DispatcherAgent:
     def ensure_job(self, job_id: int) -> None:
         path = self.job_path(job_id)
         if os.path.exists(path):
-            if job_id not in self._out_of_order:  # written before this daemon started: its job dir is kept
+            if job_id not in self._jobs:  # written before this daemon started: its job dir is kept
                 with open(path, "rb") as f:
-                    self._out_of_order[job_id] = dpb.JobDef.FromString(f.read()).out_of_order
+                    self._know(job_id, dpb.JobDef.FromString(f.read()))
             return
         job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id), timeout_s=30).job
         # A file of this call's own: two trainers may ask about one job at once.
@@ -113,11 +115,23 @@ class DispatcherAgent:
         with os.fdopen(fd, "wb") as f:
             f.write(job.SerializeToString())
         os.replace(tmp, path)
-        self._out_of_order[job_id] = job.out_of_order
+        self._know(job_id, job)
+
+    def _know(self, job_id: int, job: dpb.JobDef) -> None:
+        settings = dpb.JobDef()
+        settings.CopyFrom(job)
+        digest = share_digest(job)
+        settings.ClearField("dataset"), settings.ClearField("collate"), settings.ClearField("worker_init_fn")
+        self._jobs[job_id], self._digests[job_id] = settings, digest
 
     def out_of_order(self, job_id: int) -> bool:
         """The job's batches may pass a busy batch process (in_order=False)."""
-        return self._out_of_order.get(job_id, False)
+        job = self._jobs.get(job_id)
+        return job is not None and job.out_of_order
+
+    def share_digest(self, job_id: int) -> bytes | None:
+        """The definition the job shares with others (dpex.plan.spec.share_digest; None: none)."""
+        return self._digests.get(job_id)
 
     def _run(self) -> None:
         interval = self._config.heartbeat_interval_s

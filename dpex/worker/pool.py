@@ -59,7 +59,8 @@ class BatchPool:
         self._size = 1 if in_turn else processes
         groups = range(0, processes, self._size)
         self._queued = [0] * len(groups)  # batches given to each executor and not finished
-        self._count_lock = threading.Lock()  # for _queued: taken in the executors' callbacks, under no other lock
+        self._count_lock = threading.Lock()  # for _queued and _made: taken in callbacks, under no other lock
+        self._made = 0  # frames this daemon made itself (make_frame)
         self._cycle: OrderedDict[Hashable, int] = OrderedDict()  # each lane's next executor (in turn)
         self.handoff_dir = shm.make_dir() if shared_memory else None
         self._executors = [self._executor(first, fork) for first in groups]
@@ -74,6 +75,18 @@ class BatchPool:
             self._warm(executor)
         # The processes, kept here: a broken executor may have let go of them when death() asks.
         self._children = [stdlib.executor_processes(executor) for executor in self._executors]
+
+    def make_frame(self, parts: list) -> "bytes | shm.Handoff":
+        """A frame of ``parts`` made in this daemon, as the batch processes make
+        theirs: a hand-off file when it is large, else bytes."""
+        if self.handoff_dir and sum(memoryview(p).nbytes for p in parts) >= self._handoff_min_bytes:
+            with self._count_lock:
+                self._made += 1
+                name = f"{os.getpid()}-d{self._made}"
+            handoff = shm.write(self.handoff_dir, name, parts, bytes(parts[0]), self._processes)
+            if handoff is not None:
+                return handoff
+        return b"".join(parts)
 
     def set_address(self, worker_address: str) -> None:
         """The worker's address, as its batch processes report it."""

@@ -17,9 +17,11 @@ until it asks again.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 from dpex.proto import dispatcher_pb2 as dpb
@@ -30,7 +32,8 @@ from dpex.worker.meter import Meter
 from dpex.worker.planner import Planner
 from dpex.worker.pool import BatchPool
 from dpex.worker.queues import Queues
-from dpex.worker.runners import Frame, Held, Key, MapRunner, Sink, SplitRunner, StreamRunner
+from dpex.worker.runners import Frame, Held, Key, MapRunner, Sink, SplitRunner, StreamRunner, not_assigned_frame
+from dpex.worker.sharing import Shared, content_key
 from dpex.log import fields
 
 log = logging.getLogger("dpex.worker")
@@ -40,10 +43,17 @@ class Scheduler:
     def __init__(self, pool: BatchPool, job_path: Callable[[int], str], *, buffer_batches: int,
                  max_inflight: int, worker_address: str, meter: Meter | None = None,
                  unknown_grace_s: float = 5.0, buffer_bytes: int = 1 << 30,
-                 out_of_order: Callable[[int], bool] = lambda job_id: False) -> None:
-        """``out_of_order(job_id)``: the job's batches may pass a busy batch process."""
+                 out_of_order: Callable[[int], bool] = lambda job_id: False,
+                 share_digest: Callable[[int], bytes | None] = lambda job_id: None,
+                 share_bytes: int = 0) -> None:
+        """``out_of_order(job_id)``: the job's batches may pass a busy batch
+        process. ``share_digest(job_id)``: the definition the job shares with
+        others (None: none); their equal batches are made once, and kept for
+        each other up to ``share_bytes`` (0: nothing is shared; dpex.worker.sharing)."""
         self._pool = pool
         self._out_of_order = out_of_order
+        self._share_digest = share_digest
+        self.shared = Shared(share_bytes, pool.make_frame) if share_bytes > 0 else None
         self.meter = meter or Meter(max_inflight)
         self._job_path = job_path
         self._buffer = buffer_batches
@@ -56,6 +66,7 @@ class Scheduler:
         self._queues = Queues()                         # guarded by _cond
         self._running: set[Key] = set()                 # guarded by _cond: being made by the pool
         self._ahead: set[Key] = set()                   # guarded by _cond: running keys started before any request
+        self._following: set[Key] = set()               # guarded by _cond: running keys another job's making makes
         self._saturated: set[Consumer] = set()          # guarded by _cond: as free_capacity() last said
         self._closed = False                            # guarded by _cond
         self._planner: Planner[MapRunner] = Planner(lambda runner: runner.split, self._holds, self._planned)
@@ -124,6 +135,10 @@ class Scheduler:
                     queue.todo.difference_update(runner.keys)
             for consumer in {runner.consumer for runner in released}:
                 self._forget_if_unused(consumer)
+            if self.shared is not None:
+                held = {runner.split.job_id for runner in self._held}
+                for job_id in {runner.split.job_id for runner in released} - held:
+                    self.shared.forget_job(job_id)
             self._cond.notify_all()
         for runner in released:  # outside the lock: a stream process may take a moment to stop
             runner.close()
@@ -159,7 +174,11 @@ class Scheduler:
     def load(self) -> dpb.WorkerLoad:
         """The worker's counters with its buffered and running batches now."""
         ready, running = self.depth()
-        return self.meter.load(buffer_batches=ready, running_batches=running)
+        load = self.meter.load(buffer_batches=ready, running_batches=running)
+        if self.shared is not None:
+            load.share_hits, load.share_misses, load.share_bytes = (self.shared.hits, self.shared.misses,
+                                                                    self.shared.bytes)
+        return load
 
     # ---- requests from trainers ----------------------------------------------------
     def request(self, key: Key, sink: Sink) -> None:
@@ -256,7 +275,8 @@ class Scheduler:
         with self._cond:
             while not self._closed:
                 self._held.expire(time.monotonic() - self._grace_s)
-                key = self._next() if len(self._running) < self._max_inflight else None
+                making = len(self._running) - len(self._following)  # batches in the pool
+                key = self._next() if making < self._max_inflight else None
                 if key is None:
                     self._cond.wait(0.5 if self._held.waiting else None)
                     continue
@@ -266,18 +286,43 @@ class Scheduler:
                     self._ahead.add(key)
                     self._budget.started(key.consumer)
                 try:
-                    made = runner.start(key, self._pool, self._job_path(key.job_id), self._address,
-                                        passing=self._out_of_order(key.job_id))
+                    made = self._start(runner, key)
                 except RuntimeError:  # closing
                     return
                 self._running.add(key)
                 self.meter.running(len(self._running))
                 made.add_done_callback(lambda f, key=key, runner=runner: self._done(runner, key, f.result()))
 
+    def _start(self, runner: MapRunner, key: Key) -> Future:
+        """Makes batch ``key``: from a batch of equal content that another job
+        made or is making here, if it shares one; else in the pool (the caller holds _cond)."""
+        make = functools.partial(runner.start, key, self._pool, self._job_path(key.job_id), self._address,
+                                 passing=self._out_of_order(key.job_id))
+        digest = self._share_digest(key.job_id) if self.shared is not None and runner.planned else None
+        if digest is None or runner.error is not None:
+            return make()
+        ck = content_key(digest, runner.task(key, ""))
+        frame = self.shared.take(ck, key)
+        if frame is not None:
+            done: Future = Future()
+            done.set_result(frame)
+            return done
+        followed = self.shared.follow(ck, key)
+        if followed is not None:
+            self._following.add(key)
+            return _or_else(followed, make, key)
+        self.shared.lead(ck)
+        wanted = {r.split.job_id for r in self._held if not r.split.num_streams
+                  and r.split.job_id != key.job_id and self._share_digest(r.split.job_id) == digest}
+        made = make()
+        made.add_done_callback(lambda f: self.shared.made(ck, f.result(), wanted))
+        return made
+
     def _done(self, runner: MapRunner, key: Key, frame: Frame) -> None:
         self.meter.produced(shm.size_of(frame))
         with self._cond:
             self._running.discard(key)
+            self._following.discard(key)
             self.meter.running(len(self._running))
             if key in self._ahead:
                 self._ahead.discard(key)
@@ -302,3 +347,20 @@ class Scheduler:
             runner.close()
         self._thread.join()
         self._planner.close()
+
+
+def _or_else(followed: Future, make: Callable[[], Future], key: Key) -> Future:
+    """``followed``'s frame, or (None: the making it followed failed) a batch made anew."""
+    out: Future = Future()
+
+    def settle(f: Future) -> None:
+        frame = f.result()
+        if frame is not None:
+            out.set_result(frame)
+            return
+        try:
+            make().add_done_callback(lambda again: out.set_result(again.result()))
+        except RuntimeError:  # the pool is closing: the trainer asks another worker, as for any batch it made
+            out.set_result(not_assigned_frame(key))
+    followed.add_done_callback(settle)
+    return out

@@ -102,6 +102,7 @@ class WorkerServer:
         self.data_port: DataPort | None = None
         try:
             self.scheduler = Scheduler(self.pool, self._job_path, out_of_order=self._out_of_order,
+                                       share_digest=self._share_digest, share_bytes=config.share_cache_bytes,
                                        buffer_batches=config.buffer_batches,
                                        buffer_bytes=config.buffer_bytes,
                                        max_inflight=2 * config.processes,
@@ -157,6 +158,10 @@ class WorkerServer:
     def _out_of_order(self, job_id: int) -> bool:
         assert self.agent is not None
         return self.agent.out_of_order(job_id)
+
+    def _share_digest(self, job_id: int) -> bytes | None:
+        assert self.agent is not None
+        return self.agent.share_digest(job_id)
 
     def _inspect(self, job_id: int) -> bytes:
         assert self.agent is not None
