@@ -112,11 +112,14 @@ def make_jpegs(root: str, count: int, size: int, seed: int = 0) -> str:
 class JpegFolder(Dataset):
     """What an ImageNet training job's workers do: JPEG decode, random
     resized crop to ``out_size``, random horizontal flip; a uint8 CHW tensor
-    (normalised on the trainer's device, as fast pipelines do)."""
+    (normalised on the trainer's device, as fast pipelines do). ``keyed``:
+    the crop and flip are drawn from numpy's global generator, which Dpex
+    keys by the sample's place (the same sample, the same crop, wherever it
+    is made); else from fresh entropy, as torchvision's transforms do."""
 
-    def __init__(self, root: str, out_size: int = 224) -> None:
+    def __init__(self, root: str, out_size: int = 224, keyed: bool = False) -> None:
         self.files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".jpg"))
-        self.out = out_size
+        self.out, self.keyed = out_size, keyed
 
     def __len__(self) -> int:
         return len(self.files)
@@ -126,7 +129,7 @@ class JpegFolder(Dataset):
             im.draft("RGB", (self.out, self.out))  # decode at a reduced scale where the crop allows
             im = im.convert("RGB")
             w, h = im.size
-            rng = np.random.default_rng()
+            rng = np.random.default_rng(np.random.randint(2**31) if self.keyed else None)
             scale, ratio = rng.uniform(0.08, 1.0), np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
             cw = int(min(w, round(np.sqrt(scale * w * h * ratio))))
             ch = int(min(h, round(np.sqrt(scale * w * h / ratio))))

@@ -2,8 +2,10 @@
 only over the state (the caller applies what it chooses as AssignSplits).
 
 A worker asking for splits gets the lowest unassigned ones, job by job
-preferring the jobs of which it holds the fewest; a trainer waiting for a
-batch nobody holds gets it from the least loaded worker at once. Work that
+preferring the jobs of which it holds the fewest, each with the same split
+of the plans that share its batches (jobs of one definition: they are made
+once, dpex.worker.sharing); a trainer waiting for a batch nobody holds gets
+it from the least loaded worker at once. Work that
 changes who gets what (sharing one computation among jobs, scaling workers to
 demand) changes this room, not the state machine."""
 from __future__ import annotations
@@ -29,10 +31,13 @@ def choose_splits(state: DispatcherState, worker_id: str, max_splits: int,
         held[job_id] = held.get(job_id, 0) + 1
     # One cursor per (job, consumer): the next split it would hand out.
     pending: dict[int, list] = {}
+    siblings: dict[bytes, list[Plan]] = {}  # plans whose splits hold equal batches (dpex.worker.sharing)
     for job in state.jobs.values():
         for consumer, plan in job.plans.items():
             if plan.finished or (saturated and (job.job_id, consumer) in saturated):
                 continue
+            if plan.share_key:
+                siblings.setdefault(plan.share_key, []).append(plan)
             index = plan.head()
             if index is not None:
                 pending.setdefault(job.job_id, []).append(
@@ -45,10 +50,18 @@ def choose_splits(state: DispatcherState, worker_id: str, max_splits: int,
         job_id = min(pending, key=lambda j: (held.get(j, 0), pending[j][0][0], j))
         options = pending[job_id]
         _, index, plan = heapq.heappop(options)
-        chosen.append(plan.first_split_id + index)
-        held[job_id] = held.get(job_id, 0) + 1
         mine = taken.setdefault(plan.first_split_id, set())
-        mine.add(index)
+        if index not in mine:  # (else a sibling's choice took it already)
+            chosen.append(plan.first_split_id + index)
+            held[job_id] = held.get(job_id, 0) + 1
+            mine.add(index)
+            # The same split of the plans that share its batches: made once, on this worker.
+            for other in siblings.get(plan.share_key, ()) if plan.share_key else ():
+                theirs = taken.setdefault(other.first_split_id, set())
+                if other is not plan and other.num_splits == plan.num_splits and _unassigned(other, index, theirs):
+                    chosen.append(other.first_split_id + index)
+                    held[other.job_id] = held.get(other.job_id, 0) + 1
+                    theirs.add(index)
         following = _after(plan, mine)
         if following is not None:
             heapq.heappush(options, ((plan.epoch, plan.first_seq(following), plan.consumer_index),
@@ -66,6 +79,13 @@ def _after(plan: Plan, taken: set[int]) -> int | None:
         fresh += 1
     options = back + ([fresh] if fresh < plan.num_splits else [])
     return min(options) if options else None
+
+
+def _unassigned(plan: Plan, index: int, taken: set[int]) -> bool:
+    """Split ``index`` of the plan waits for a worker (and was not chosen in this call)."""
+    if index in taken:
+        return False
+    return index in plan.returned or (plan.next_index <= index < plan.num_splits and index not in plan.early)
 
 
 def owner_for(state: DispatcherState, plan: Plan, seq: int) -> tuple[str, int] | None:

@@ -17,7 +17,7 @@ from dpex.dispatcher.state import Plan
 from dpex.dispatcher.status import status
 from dpex.log import fields
 from dpex.plan import samplers
-from dpex.plan.spec import PlanHash, of_loader, resumed
+from dpex.plan.spec import PlanHash, of_loader, plan_share_key, resumed
 from dpex.errors import DpexConfigError, DpexConflictError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
@@ -152,7 +152,7 @@ class DispatcherCore(Journaled):
             if request.more:
                 return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
             plan_file, num_batches, digest = self.plan_files.finish(upload_id)
-        digest = of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
+        content, digest = digest, of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
         if num_batches > self.config.max_plan_batches:
             raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self.config.max_plan_batches} (--max-plan-batches)")
@@ -177,7 +177,8 @@ class DispatcherCore(Journaled):
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 plan_hash=digest, split_size=self.config.split_size_batches, base_seed=request.base_seed,
                 num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches,
-                done=request.done, stream_starts=request.stream_starts))
+                done=request.done, stream_starts=request.stream_starts,
+                share_key=b"" if request.num_streams else plan_share_key(job.definition, content, request.epoch)))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
                                                     splits=plan.num_splits,

@@ -34,7 +34,8 @@ def take(state: DispatcherState) -> jpb.Snapshot:
                     num_streams=plan.num_streams, sampler=plan.sampler, plan_file=plan.plan_file,
                     num_batches=plan.num_batches, batches=plan.inline,
                     done=[dpb.SeqRange(start=a, end=b) for a, b in plan.resumed],
-                    stream_starts=[plan.stream_starts[k] for k in sorted(plan.stream_starts)]),
+                    stream_starts=[plan.stream_starts[k] for k in sorted(plan.stream_starts)],
+                    share_key=plan.share_key),
                 first_split_id=plan.first_split_id, num_delivered=plan.num_delivered,
                 next_index=plan.next_index, early=sorted(plan.early), returned=sorted(plan.returned),
                 done=plan.done)

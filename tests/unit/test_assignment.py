@@ -3,6 +3,8 @@ interleaved, jobs shared fairly, saturated consumers skipped, and a batch a
 trainer waits for given to the least loaded worker."""
 from dpex.dispatcher import assignment
 from dpex.dispatcher.state import DispatcherState
+from dpex.proto import dispatcher_pb2 as dpb
+from dpex.proto import journal_pb2 as jpb
 from tests.unit.test_state import assign, create_job, deliver, firsts, register, submit
 
 
@@ -48,3 +50,17 @@ def test_a_worker_that_is_gone_or_wants_nothing_gets_nothing():
     register(s, "a"), create_job(s)
     submit(s, 4)
     assert assignment.choose_splits(s, "a", 0) == [] and assignment.choose_splits(s, "nobody", 3) == []
+
+
+def test_the_same_split_of_plans_that_share_their_batches_goes_to_one_worker():
+    s = DispatcherState()
+    register(s, "a"), register(s, "b")
+    for job_id, key in ((1, b"same"), (2, b"same"), (3, b"")):
+        create_job(s, job_id=job_id)
+        s.apply(jpb.Update(submit_plan=jpb.SubmitPlan(
+            job_id=job_id, consumer_index=0, epoch=0, plan_hash=b"h%d" % job_id, split_size=2,
+            batches=[dpb.IndexBatch(indices=[i]) for i in range(8)], share_key=key)))
+    mine = assign(s, "a", 1)
+    assert sorted((s.splits[i].job_id, s.splits[i].first_seq) for i in mine) == [(1, 0), (2, 0)]
+    theirs = assign(s, "b", 3)  # job 3 shares nothing: its own split, and the pair's next
+    assert sorted((s.splits[i].job_id, s.splits[i].first_seq) for i in theirs) == [(1, 2), (2, 2), (3, 0)]
