@@ -115,16 +115,19 @@ class JpegFolder(Dataset):
     (normalised on the trainer's device, as fast pipelines do). ``keyed``:
     the crop and flip are drawn from numpy's global generator, which Dpex
     keys by the sample's place (the same sample, the same crop, wherever it
-    is made); else from fresh entropy, as torchvision's transforms do."""
+    is made); else from fresh entropy, as torchvision's transforms do.
+    ``center``: a validation set's resize and center crop, nothing drawn."""
 
-    def __init__(self, root: str, out_size: int = 224, keyed: bool = False) -> None:
+    def __init__(self, root: str, out_size: int = 224, keyed: bool = False, center: bool = False) -> None:
         self.files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".jpg"))
-        self.out, self.keyed = out_size, keyed
+        self.out, self.keyed, self.center = out_size, keyed, center
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self.center:
+            return self._validation(i)
         with Image.open(self.files[i]) as im:
             im.draft("RGB", (self.out, self.out))  # decode at a reduced scale where the crop allows
             im = im.convert("RGB")
@@ -137,4 +140,16 @@ class JpegFolder(Dataset):
             im = im.resize((self.out, self.out), Image.BILINEAR, box=(left, top, left + cw, top + ch))
             if rng.random() < 0.5:
                 im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(im).transpose(2, 0, 1).copy()), i % 1000
+
+    def _validation(self, i: int) -> tuple[torch.Tensor, int]:
+        """torchvision's validation transform: the whole JPEG decoded, its
+        shorter side resized to 8/7 of the crop, the center crop."""
+        with Image.open(self.files[i]) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            scale = self.out * 8 / 7 / min(w, h)
+            im = im.resize((round(w * scale), round(h * scale)), Image.BILINEAR)
+            left, top = (im.size[0] - self.out) // 2, (im.size[1] - self.out) // 2
+            im = im.crop((left, top, left + self.out, top + self.out))
         return torch.from_numpy(np.asarray(im).transpose(2, 0, 1).copy()), i % 1000

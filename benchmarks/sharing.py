@@ -3,7 +3,9 @@ worker's CPU costs with sharing (each batch made once for all, the default)
 and without (share=False), against one trial alone; whether each trial's
 batches are bitwise a solo run's; how a paused trial affects the others;
 how long a shared batch takes to reach a trainer beside a fresh one; and the
-memory kept under many trials and a small budget.
+memory kept under many trials and a small budget; and a validation set
+kept by the workers (cache="memory"): its later epochs' CPU against its
+first (torchvision's validation transform: JPEG decode, resize, center crop).
 
     .venv/bin/python benchmarks/sharing.py [--trials 3] [--rounds 2] [--pause 30]
 
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=30.0, help="seconds one trial stops mid-epoch")
     p.add_argument("--many", type=int, default=8, help="trials at once for the memory bound")
     p.add_argument("--budget-mb", type=int, default=16, help="--share-cache-bytes for the memory bound")
+    p.add_argument("--val-batch-size", type=int, default=64, help="the validation set's batch size")
     p.add_argument("--data", default=".data/bench-jpegs")
     args = p.parse_args()
 
@@ -134,6 +137,24 @@ def main() -> None:
     finally:
         cluster.close()
 
+    # A validation set kept by the workers: its second epoch's worker CPU against its first's.
+    valid = dpex.LocalCluster(num_workers=1, processes=2)
+    try:
+        val_spec = dpex.DatasetSpec("benchmarks.pipeline:JpegFolder", root, args.size, center=True)
+        val_cpu, val_children = [], []
+        with dpex.RemoteDataLoader(valid.address, val_spec, batch_size=args.val_batch_size, cache="memory",
+                                   timeout=600) as loader:
+            for _ in range(3):
+                pids = worker_pids(valid)
+                before, children = cpu_s(pids), cpu_s(pids[1:])
+                for _ in loader:
+                    pass
+                pids = worker_pids(valid)
+                val_cpu.append(cpu_s(pids) - before)
+                val_children.append(cpu_s(pids[1:]) - children)
+    finally:
+        valid.close()
+
     # Memory: many trials at once on a worker with a small budget.
     budget = args.budget_mb << 20
     small = dpex.LocalCluster(num_workers=1, processes=2, worker_flags=("--share-cache-bytes", str(budget)))
@@ -165,6 +186,10 @@ def main() -> None:
           f"{paused_rate / free_rate:10.2f}")
     print(f"{'wait for a batch (ms): a trial behind, shared / the trial ahead':60s} {follow_ms:4.1f} / {lead_ms:.1f}")
     print(f"{'bytes kept, ' + str(args.many) + ' trials, peak / budget':60s} {peak[0] / budget:10.2f}")
+    print(f"{'validation set, cache=memory (batch ' + str(args.val_batch_size) + '): worker CPU, epoch 2 / 1':60s} "
+          f"{val_cpu[1] / val_cpu[0]:10.2f}")
+    print(f"{'  epoch 3 / epoch 1':60s} {val_cpu[2] / val_cpu[0]:10.2f}")
+    print(f"{'  its batch processes alone, epoch 2 / 1':60s} {val_children[1] / val_children[0]:10.2f}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ class WorkerConfig:
     data_paths: tuple[str, ...] = ()     # local data this node must have; a worker without one refuses to start
     in_turn: bool = False                # batch processes take a consumer's batches in turn, as torch's workers
     share_cache_bytes: int = 1 << 30     # batches kept for jobs of one definition (dpex.worker.sharing); 0: off
+    sample_cache_bytes: int = 1 << 30    # samples of cache="memory" jobs in /dev/shm, then spilled to disk
+    sample_disk_bytes: int = 8 << 30     # samples on disk (cache="disk", and spilled); the oldest go past it
 
     def __post_init__(self) -> None:
         _check(self.shm_min_bytes >= 0, "shm_min_bytes must be >= 0")
@@ -97,3 +99,4 @@ class WorkerConfig:
         _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.share_cache_bytes >= 0, "share_cache_bytes must be >= 0 (0: nothing is shared)")
+        _check(self.sample_cache_bytes >= 0 and self.sample_disk_bytes >= 0, "sample cache sizes must be >= 0")

@@ -73,6 +73,8 @@ def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
                                "making (made once, dpex.worker.sharing).", labels),
         "share_misses": _counter(f"{prefix}share_misses", "Batches of jobs that share made here.", labels),
         "share_bytes": _gauge(f"{prefix}share_bytes", "Bytes kept for jobs of one definition.", labels),
+        "sample_cache_bytes": _gauge(f"{prefix}sample_cache_bytes", "Bytes of samples kept for jobs with "
+                                     "cache='memory' or 'disk' (both tiers).", labels),
     }
     for values, load in loads:
         for field, family in families.items():

@@ -108,7 +108,8 @@ class DpexDataLoader(DataLoader[_T_co]):
     True): a sample's random draws are keyed by the epoch's base seed and its
     place in the plan, not by the process that makes it (see
     ``RemoteDataLoader``); ``share`` (Dpex's own, default True): jobs of an
-    equal definition make each batch once (see ``RemoteDataLoader``).
+    equal definition make each batch once; ``cache`` ("memory" or "disk"):
+    the workers keep the samples across epochs (see ``RemoteDataLoader``).
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -126,7 +127,7 @@ class DpexDataLoader(DataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True,
-                 share: bool = True) -> None:
+                 share: bool = True, cache: str | None = None) -> None:
         # Every argument as given, for a rebuild from the instance (Lightning reads the attributes named as
         # __init__'s parameters) and for pickling (a spawned rank builds its own loader from them).
         self._init_args = dict(
@@ -135,14 +136,15 @@ class DpexDataLoader(DataLoader[_T_co]):
             collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
-            pin_memory_device=pin_memory_device, reproducible=reproducible, share=share)
+            pin_memory_device=pin_memory_device, reproducible=reproducible, share=share, cache=cache)
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
                       pin_memory_device=pin_memory_device, num_workers=num_workers,
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
-                      multiprocessing_context=multiprocessing_context, reproducible=reproducible, share=share)
+                      multiprocessing_context=multiprocessing_context, reproducible=reproducible, share=share,
+                      cache=cache)
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
@@ -175,7 +177,7 @@ class DpexDataLoader(DataLoader[_T_co]):
     def _keep_dpex_args(self) -> None:
         """Dpex's own arguments as instance attributes, as torch keeps its own,
         and in a framework's record of the arguments (see _framework_record)."""
-        for name in ("distribute_mode", "head_address", "reproducible", "share"):
+        for name in ("distribute_mode", "head_address", "reproducible", "share", "cache"):
             object.__setattr__(self, name, self._init_args[name])
         _framework_record(self)
 

@@ -80,7 +80,7 @@ def job_def(opts: LoaderOptions, code: tuple[DatasetSpec, Callable | None, Calla
                      persistent_workers=opts.persistent_workers, **code_fields(*code, bundled=bundled),
                      batch_size=opts.batch_size or 0, drop_last=opts.drop_last, compression=opts.compression,
                      unbatched=unbatched, process_seeds=not opts.reproducible, main_process=opts.num_workers == 0,
-                     out_of_order=not opts.ordered, no_share=not opts.share)
+                     out_of_order=not opts.ordered, no_share=not opts.share, sample_cache=opts.cache or "")
     if bundled and len(job.dataset) > LARGE_DATASET_BYTES:
         warnings.warn(
             f"the dataset instance is shipped to every worker by value and pickles to "

@@ -151,6 +151,10 @@ class RemoteDataLoader:
     (the same dataset, code and settings; a sweep's trials) get each batch
     made once on a worker, each its own copy, bitwise what it would have
     made alone (see dpex.worker.sharing); ``share=False`` opts out.
+    ``cache="memory"`` (or ``"disk"``) keeps the dataset's samples on the
+    workers by index, across epochs and jobs of the same dataset, for a
+    dataset whose samples do not change between epochs; it checks itself
+    (see dpex.worker.samples).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -166,7 +170,7 @@ class RemoteDataLoader:
                  connect_timeout: float = _O.connect_timeout_s, shared_memory: bool = _O.shared_memory,
                  compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
                  shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
-                 reproducible: bool = _O.reproducible, share: bool = _O.share) -> None:
+                 reproducible: bool = _O.reproducible, share: bool = _O.share, cache: str | None = _O.cache) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
@@ -186,7 +190,7 @@ class RemoteDataLoader:
             connect_timeout_s=connect_timeout, shared_memory=shared_memory, compression=compression or "",
             shuffle=shuffle, seed=seed, shard=shard, compact_plans=compact_plans, reproducible=reproducible,
             auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context),
-            share=bool(share))
+            share=bool(share), cache=cache)
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,

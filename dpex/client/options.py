@@ -49,6 +49,7 @@ class LoaderOptions:
     tls_ca: str | None = None            # a PEM file; None: $DPEX_TLS_CA
     start_method: str | None = None      # an embedded cluster's processes; None: multiprocessing's
     share: bool = True                   # equal jobs' batches made once (dpex.worker.sharing)
+    cache: str | None = None             # "memory" or "disk": samples kept on the workers (dpex.worker.samples)
 
     def __post_init__(self) -> None:
         if self.address is not None and self.address != "auto" and not str(self.address).startswith("ray://"):
@@ -72,6 +73,7 @@ class LoaderOptions:
         _check(isinstance(self.pin_memory_device, str), "pin_memory_device must be a string")
         object.__setattr__(self, "compression", check_compression(self.compression))
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.cache in (None, "memory", "disk"), f"cache must be 'memory', 'disk' or None, got {self.cache!r}")
 
     @property
     def first_contact_s(self) -> float:

@@ -32,17 +32,18 @@ def render(status) -> str:
              f"workers needed by the trainers' rates: {status.workers_needed or '-'}", "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
-             "PRODUCED", "SHARED", "SENT", "SENT BYTES", "HEARTBEAT")]
+             "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "HEARTBEAT")]
     for w in status.workers:
         load = w.load
         if w.state != "alive":  # no load of a worker that is gone
-            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 9, "-"))
+            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 10, "-"))
             continue
         rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
                      f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
                      str(load.fetch_streams), str(load.batches_produced),
                      f"{load.share_hits} ({_mb(load.share_bytes)} kept)" if load.share_hits or load.share_bytes
-                     else "-", str(load.batches_sent),
+                     else "-", _mb(load.sample_cache_bytes) if load.sample_cache_bytes else "-",
+                     str(load.batches_sent),
                      _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago"))
     lines += _table(rows)
     jobs = {s: [j for j in status.jobs if j.state == s] for s in ("running", "idle", "finished")}

@@ -58,6 +58,12 @@ _W = WorkerConfig  # its fields' defaults are the flags'
               show_envvar=True, help="Memory for batches made for one job and kept for the other jobs of the "
               "same definition (a sweep's trials: each batch is made once for all; see README, 'Sharing'); "
               "e.g. 1G or 512M; 0: nothing is shared.")
+@click.option("--sample-cache-bytes", type=ByteSize(), default=_W.sample_cache_bytes,
+              envvar="DPEX_SAMPLE_CACHE_BYTES", show_envvar=True,
+              help="Memory (/dev/shm) for the samples of jobs with cache='memory'; past it the oldest spill to "
+              "disk. E.g. 1G.")
+@click.option("--sample-disk-bytes", type=ByteSize(), default=_W.sample_disk_bytes, envvar="DPEX_SAMPLE_DISK_BYTES",
+              show_envvar=True, help="Disk for samples (cache='disk', and those spilled); past it the oldest go.")
 @click.option("--data-path", "data_paths", multiple=True, type=click.Path(), envvar="DPEX_DATA_PATH", show_envvar=True,
               help="Local data this node must have (repeatable; environment variables in it are expanded; "
               "DPEX_DATA_PATH: paths separated by ':'); without it the worker refuses to start, naming the path.")
@@ -70,7 +76,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
          buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float,
          connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
-         in_turn: bool, share_cache_bytes: int, data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
+         in_turn: bool, share_cache_bytes: int, sample_cache_bytes: int, sample_disk_bytes: int,
+         data_paths: tuple[str, ...], metrics_port: int | None, log_level: str,
          log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None, ready_file: str | None) -> None:
@@ -96,7 +103,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,
                               shared_memory=shm, shm_min_bytes=shm_min_kb * 1024,
                               data_port=None if data_port < 0 else data_port, drain_timeout_s=drain_timeout,
-                              data_paths=tuple(data_paths), in_turn=in_turn, share_cache_bytes=share_cache_bytes)
+                              data_paths=tuple(data_paths), in_turn=in_turn, share_cache_bytes=share_cache_bytes,
+                              sample_cache_bytes=sample_cache_bytes, sample_disk_bytes=sample_disk_bytes)
         daemon.run(config, daemon.forked_pool(config), ready_file)
     except DpexError as e:
         fail(str(e))

@@ -57,7 +57,7 @@ def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> I
 
 
 # JobDef fields that do not change what a batch holds: who asks, and how batches pass busy processes.
-_NOT_CONTENT = ("name", "num_consumers", "out_of_order")
+_NOT_CONTENT = ("name", "num_consumers", "out_of_order", "sample_cache")
 
 
 def share_digest(job: dpb.JobDef) -> bytes | None:

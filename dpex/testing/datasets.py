@@ -410,3 +410,22 @@ class Regression(Dataset):
         import dpex
         x = torch.randn(self.dim)
         return x, x.sum().reshape(1), i, dpex.sample_seed() is not None
+
+
+class Recorded(Dataset):
+    """Sample i is {"i": i, "x": 8 float64 values of i}; each __getitem__ call
+    appends i to the file ``path`` (from any process), to count them."""
+
+    def __init__(self, n: int, path: str) -> None:
+        self.n, self.path = n, path
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"%d\n" % i)
+        finally:
+            os.close(fd)
+        return {"i": i, "x": torch.full((8,), float(i), dtype=torch.float64)}

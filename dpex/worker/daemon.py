@@ -21,7 +21,8 @@ def forked_pool(config: WorkerConfig) -> BatchPool | None:
         return None
     import torch  # noqa: F401 - what the forked processes inherit
     return BatchPool(config.processes, shared_memory=config.shared_memory, handoff_min_bytes=config.shm_min_bytes,
-                     fork=True, in_turn=config.in_turn)
+                     fork=True, in_turn=config.in_turn,
+                     sample_budgets=(config.sample_cache_bytes, config.sample_disk_bytes))
 
 
 def run(config: WorkerConfig, pool: BatchPool | None, ready_file: str | None) -> None:

@@ -39,7 +39,8 @@ class BatchPool:
     PREFETCH = 2  # batches queued at one process before a batch that may pass goes by: torch's prefetch_factor
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
-                 handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False, in_turn: bool = False) -> None:
+                 handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False, in_turn: bool = False,
+                 sample_budgets: tuple[int, int] = runtime._sample_budgets) -> None:
         """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
         back as /dev/shm files (dpex.shm), else through the pipe.
         ``fork``: fork the first processes (only in a process with no other
@@ -47,6 +48,7 @@ class BatchPool:
         be given later (:meth:`set_address`)."""
         self._processes = processes
         self._handoff_min_bytes = handoff_min_bytes
+        self._sample_budgets = sample_budgets  # the sample cache's memory and disk tiers (dpex.worker.samples)
         # Shared with the children, which name it in their errors: a forked pool starts before the daemon serves.
         self._address = multiprocessing.RawArray("c", 256)
         self.set_address(worker_address)
@@ -97,7 +99,8 @@ class BatchPool:
         context = multiprocessing.get_context("fork" if fork else "spawn")
         return ProcessPoolExecutor(max_workers=self._size, mp_context=context, initializer=runtime.init_child,
                                    initargs=(self._address, context.Value("i", first), self._processes,
-                                             self.handoff_dir, self._handoff_min_bytes, os.getpid(), self._slots))
+                                             self.handoff_dir, self._handoff_min_bytes, os.getpid(), self._slots,
+                                             self._sample_budgets))
 
     def _warm(self, executor: ProcessPoolExecutor) -> None:
         """Starts each of its processes (a spawned executor starts them as tasks come)."""

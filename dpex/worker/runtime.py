@@ -39,6 +39,8 @@ _handoff_min_bytes = shm.MIN_BYTES
 _produced = 0
 _arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
 _slots: Any = None  # shared with the daemon: [pid, sample being read] per child, what a death reports
+_sample_budgets = (1 << 30, 8 << 30)  # the sample cache's memory and disk tiers, in bytes
+_samples: Any = None  # this process's view of the worker's sample cache, made at the first cached job's sample
 
 
 class _Job(NamedTuple):
@@ -54,6 +56,8 @@ class _Job(NamedTuple):
     fingerprint: str = ""  # the dataset's own fingerprint, if it has one
     keyed: bool = True     # each sample's draws keyed by its place (dpex.seeding), not the process's
     main_process: bool = False  # num_workers=0: get_worker_info() is None, no worker_init_fn (as torch)
+    sample_cache: str = ""      # "memory" or "disk": samples kept across epochs (dpex.worker.samples)
+    sample_digest: bytes = b""  # the dataset's, for the sample cache: equal for jobs of one dataset
 
 
 class _Context(NamedTuple):
@@ -69,8 +73,10 @@ _current: tuple | None = None
 
 
 def init_child(worker_address: Any, counter: Any, num_children: int, handoff_dir: str | None,
-                handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None) -> None:
-    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots
+                handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None,
+                sample_budgets: tuple[int, int] = _sample_budgets) -> None:
+    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots, _sample_budgets
+    _sample_budgets = sample_budgets
     with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
         _child_index = counter.value
         counter.value += 1
@@ -123,10 +129,32 @@ def load_job(job_id: int, job_path: str) -> _Job:
     default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
     _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size,
                          job.drop_last, job.compression, job.unbatched, *describe_dataset(dataset),
-                         keyed=not job.process_seeds, main_process=job.main_process)
+                         keyed=not job.process_seeds, main_process=job.main_process,
+                         sample_cache=job.sample_cache, sample_digest=_sample_digest(job))
     while len(_jobs) > _MAX_CACHED_JOBS:
         _jobs.popitem(last=False)
     return _jobs[job_id]
+
+
+def _sample_digest(job: Any) -> bytes:
+    """Equal for jobs whose samples are equal: the same dataset and worker_init_fn as pickled."""
+    import hashlib
+    h = hashlib.sha256(b"dpex-samples-1")
+    for part in (job.dataset, job.worker_init_fn, b"%d%d" % (job.bundled, job.main_process)):
+        h.update(hashlib.sha256(part).digest())
+    return h.digest()[:16]
+
+
+def _get(job: _Job, task: Task, index: int) -> Any:
+    """dataset[index], from the worker's sample cache where the job keeps its samples."""
+    if not job.sample_cache:
+        return job.dataset[index]
+    global _samples
+    if _samples is None:
+        from dpex.worker.samples import SampleCache
+        memory = os.path.join(_handoff_dir, "samples") if _handoff_dir else None
+        _samples = SampleCache(memory, os.path.join(os.path.dirname(task.job_path), "samples"), *_sample_budgets)
+    return _samples.sample(job.sample_cache, job.sample_digest, index, lambda: job.dataset[index])
 
 
 def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
@@ -212,9 +240,9 @@ def produce(task: Task) -> bytes | Handoff:
             index = -1 if task.whole else task.indices[0]
             _reading(index)
             _seed_sample(task, places, 0)
-            samples = dataset[list(task.indices)] if task.whole else dataset[index]
+            samples = dataset[list(task.indices)] if task.whole else _get(job, task, index)
             _reading(-1)
-        elif getattr(dataset, "__getitems__", None):
+        elif getattr(dataset, "__getitems__", None) and not job.sample_cache:
             _seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
             samples = dataset.__getitems__(list(task.indices))
         else:
@@ -222,7 +250,7 @@ def produce(task: Task) -> bytes | Handoff:
             for i, index in enumerate(task.indices):
                 _reading(index)
                 _seed_sample(task, places, i)
-                samples.append(dataset[index])
+                samples.append(_get(job, task, index))
             _reading(-1)
         stage, index = "collate", -1
         if places:

@@ -33,6 +33,7 @@ from dpex.worker.planner import Planner
 from dpex.worker.pool import BatchPool
 from dpex.worker.queues import Queues
 from dpex.worker.runners import Frame, Held, Key, MapRunner, Sink, SplitRunner, StreamRunner, not_assigned_frame
+from dpex.worker.samples import tiers_bytes
 from dpex.worker.sharing import Shared, content_key
 from dpex.log import fields
 
@@ -45,7 +46,7 @@ class Scheduler:
                  unknown_grace_s: float = 5.0, buffer_bytes: int = 1 << 30,
                  out_of_order: Callable[[int], bool] = lambda job_id: False,
                  share_digest: Callable[[int], bytes | None] = lambda job_id: None,
-                 share_bytes: int = 0) -> None:
+                 share_bytes: int = 0, sample_dirs: tuple[str, ...] = ()) -> None:
         """``out_of_order(job_id)``: the job's batches may pass a busy batch
         process. ``share_digest(job_id)``: the definition the job shares with
         others (None: none); their equal batches are made once, and kept for
@@ -53,6 +54,7 @@ class Scheduler:
         self._pool = pool
         self._out_of_order = out_of_order
         self._share_digest = share_digest
+        self._sample_dirs = sample_dirs  # the sample cache's tiers (dpex.worker.samples), for load()
         self.shared = Shared(share_bytes, pool.make_frame) if share_bytes > 0 else None
         self.meter = meter or Meter(max_inflight)
         self._job_path = job_path
@@ -178,6 +180,7 @@ class Scheduler:
         if self.shared is not None:
             load.share_hits, load.share_misses, load.share_bytes = (self.shared.hits, self.shared.misses,
                                                                     self.shared.bytes)
+        load.sample_cache_bytes = tiers_bytes(self._sample_dirs)
         return load
 
     # ---- requests from trainers ----------------------------------------------------

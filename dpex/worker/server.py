@@ -94,7 +94,8 @@ class WorkerServer:
         self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
         if pool is None:
             self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
-                                  handoff_min_bytes=config.shm_min_bytes, in_turn=config.in_turn)
+                                  handoff_min_bytes=config.shm_min_bytes, in_turn=config.in_turn,
+                                  sample_budgets=(config.sample_cache_bytes, config.sample_disk_bytes))
         else:
             pool.set_address(self.address)
         self.agent: DispatcherAgent | None = None
@@ -103,6 +104,8 @@ class WorkerServer:
         try:
             self.scheduler = Scheduler(self.pool, self._job_path, out_of_order=self._out_of_order,
                                        share_digest=self._share_digest, share_bytes=config.share_cache_bytes,
+                                       sample_dirs=tuple(os.path.join(d, "samples") for d in
+                                                         (self.pool.handoff_dir, self._job_dir) if d),
                                        buffer_batches=config.buffer_batches,
                                        buffer_bytes=config.buffer_bytes,
                                        max_inflight=2 * config.processes,
