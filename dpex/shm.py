@@ -151,6 +151,8 @@ def usage(directory: str | None) -> dict[str, int]:
     except OSError:
         return used
     for entry in entries:
+        if entry.is_dir():  # the sample cache's memory tier (dpex.worker.samples), not frames
+            continue
         kind = "spare" if entry.name.startswith(SPARE) else "lent" if entry.name.startswith(LENT) else "frame"
         try:
             used[kind] += entry.stat().st_size
