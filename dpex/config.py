@@ -35,6 +35,9 @@ class DispatcherConfig:
     job_gc_timeout_s: float = 300.0      # a job without consumers this long is removed; 0: never
     worker_gc_timeout_s: float = 600.0   # a lost or left worker is forgotten after this; 0: never
     journal_compact_bytes: int = 256 << 10  # a log past this (and twice the snapshot) is snapshotted; 0: never
+    min_workers: int = 1                 # the scaling policy's bounds (dpex.dispatcher.scaling);
+    max_workers: int = 0                 # 0: the dispatcher does not say how many workers it wants
+    scale_cooldown_s: float = 60.0       # no step down within this of the last change
 
     def __post_init__(self) -> None:
         _check(self.job_gc_timeout_s >= 0 and self.worker_gc_timeout_s >= 0,
@@ -50,6 +53,9 @@ class DispatcherConfig:
                "heartbeat_timeout_s must exceed heartbeat_interval_s")
         _check(self.split_size_batches >= 1, "split_size_batches must be >= 1")
         _check(self.consumer_timeout_s > 1.0, "consumer_timeout_s must exceed 1 s (trainers sync every second)")
+        _check(self.max_workers == 0 or 0 <= self.min_workers <= self.max_workers,
+               f"need 0 <= min_workers <= max_workers, got {self.min_workers}..{self.max_workers}")
+        _check(self.scale_cooldown_s >= 0, "scale_cooldown_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,9 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     jobs = _gauge("dpex_jobs", "Jobs the dispatcher knows, by state.", ["state"])
     for state in ("running", "idle", "finished"):
         jobs.add_metric([state], sum(j.state == state for j in status.jobs))
+    wanted = _gauge("dpex_workers_wanted", "Workers the scaling policy wants now (--max-workers; 0: it does "
+                    "not scale).")
+    wanted.add_metric([], status.workers_wanted)
     assigned = _counter("dpex_splits_assigned", "Splits handed to workers.")
     assigned.add_metric([], status.splits_assigned_total)
     reassigned = _counter("dpex_splits_reassigned", "Splits taken back from lost or leaving workers.")
@@ -125,5 +128,5 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending,
+    return [workers, jobs, wanted, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending,
             consumers, needed, job_needed, heartbeat, *loads]

@@ -55,9 +55,10 @@ class Control:
 
     def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
                  results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
-                 need: Callable[[], int] = lambda: 0, client_id: int = 0) -> None:
+                 meter: StatsMeter | None = None, client_id: int = 0) -> None:
         self._stub, self._target = stub, target
-        self._need = need  # the trainer's measured need of workers, reported with each sync
+        self._meter = meter or StatsMeter()  # the trainer's measured need and wait, reported with each sync
+        self._need = self._meter.recent_need
         self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch, client_id=client_id)
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
@@ -88,7 +89,9 @@ class Control:
             return call(self._stub.SyncConsumer,
                         dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s,
-                                                workers_needed=self._need()),
+                                                workers_needed=self._need(),
+                                                wait_fraction=self._meter.recent_wait,
+                                                batches_per_s=self._meter.recent_rate),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,
                         outage=self._outage,
                         stop=None if not cancellable else self._stop.is_set,
@@ -224,7 +227,7 @@ class EpochFetcher:
         self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
-                                self._meter.recent_need, client_id)
+                                self._meter, client_id)
         self._control.next_seq = self._ledger.low
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)

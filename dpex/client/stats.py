@@ -52,8 +52,10 @@ class StatsMeter:
         self._lock = threading.Lock()
         self._reset()
         self.workers_alive = 0
-        self._window = [0.0, 0.0]  # (elapsed, wait) since the need was last measured
+        self._window = [0.0, 0.0, 0]  # (elapsed, wait, batches) since the need was last measured
         self._recent = 0
+        self.recent_wait = 0.0   # the share of the last window spent waiting (with recent_need)
+        self.recent_rate = 0.0   # batches per second taken over the last window
 
     def _reset(self) -> None:
         self._batches = self._bytes = 0
@@ -71,6 +73,7 @@ class StatsMeter:
             self._wait += now - asked_at
             self._window[0] += now - since
             self._window[1] += now - asked_at
+            self._window[2] += 1
             self._batches += 1
             self._bytes += nbytes
 
@@ -80,8 +83,10 @@ class StatsMeter:
         with self._lock:
             if self._window[0] >= NEED_WINDOW_S and self.workers_alive > 0:
                 alive = self.workers_alive
-                self._recent = min(_need(alive, *self._window), MAX_SCALE_STEP * alive)
-                self._window = [0.0, 0.0]
+                elapsed, wait, batches = self._window
+                self._recent = min(_need(alive, elapsed, wait), MAX_SCALE_STEP * alive)
+                self.recent_wait, self.recent_rate = wait / elapsed, batches / elapsed
+                self._window = [0.0, 0.0, 0]
             return self._recent
 
     def stats(self, reset: bool = False) -> LoaderStats:

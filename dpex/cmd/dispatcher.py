@@ -45,13 +45,22 @@ _D = DispatcherConfig  # its fields' defaults are the flags'
 @metrics_option
 @log_options
 @auth_options
+@click.option("--min-workers", type=int, default=_D.min_workers, envvar="DPEX_MIN_WORKERS", show_envvar=True,
+              help="The fewest workers the scaling policy wants (with --max-workers).")
+@click.option("--max-workers", type=int, default=_D.max_workers, envvar="DPEX_MAX_WORKERS", show_envvar=True,
+              help="The most workers the scaling policy wants: with it, the dispatcher says how many workers "
+              "the trainers need now (dpex status, metric dpex_workers_wanted) for a deployment to act on "
+              "(dpex.ray does); 0: it says nothing.")
+@click.option("--scale-cooldown", type=float, default=_D.scale_cooldown_s, envvar="DPEX_SCALE_COOLDOWN",
+              show_envvar=True, help="Seconds after a change before the policy lets a worker go.")
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
          heartbeat_timeout: float, consumer_timeout: float, job_gc_timeout: float, worker_gc_timeout: float,
          split_size: int, max_message_mb: float,
          max_plan_batches: int, journal_compact_kb: int, metrics_port: int | None, log_level: str, log_format: str,
          auth_token_file: str | None, allow_unauthenticated: bool, tls_cert: str | None,
-         tls_key: str | None, ready_file: str | None) -> None:
+         tls_key: str | None, min_workers: int, max_workers: int, scale_cooldown: float,
+         ready_file: str | None) -> None:
     """Run the Dpex dispatcher: it registers workers, creates jobs, takes
     the trainers' epoch plans and hands splits of them to workers. With
     --work-dir it journals every change and a restart resumes where it was;
@@ -74,7 +83,8 @@ def main(port: int, host: str, work_dir: str | None, heartbeat_interval: float,
                                   tls_cert_file=tls_cert, tls_key_file=tls_key,
                                   max_message_bytes=int(max_message_mb * 2**20),
                                   max_plan_batches=max_plan_batches, metrics_port=metrics_port,
-                                  journal_compact_bytes=journal_compact_kb << 10)
+                                  journal_compact_bytes=journal_compact_kb << 10, min_workers=min_workers,
+                                  max_workers=max_workers, scale_cooldown_s=scale_cooldown)
         server = DispatcherServer(config)
     except DpexError as e:
         fail(str(e))

@@ -29,7 +29,9 @@ def render(status) -> str:
     lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
              f"taken back from lost workers {status.splits_reassigned_total}; collected: "
              f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers; "
-             f"workers needed by the trainers' rates: {status.workers_needed or '-'}", "",
+             f"workers needed by the trainers' rates: {status.workers_needed or '-'}",
+             *([f"workers wanted: {status.workers_wanted} ({status.scaling_reason})"] if status.workers_wanted else []),
+             "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
              "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "HEARTBEAT")]

@@ -16,6 +16,7 @@ from dpex.config import DispatcherConfig
 from dpex.dispatcher.claims import HELD_S, Claims
 from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.planfiles import PlanFiles
+from dpex.dispatcher.scaling import Decision, Policy, ScalingConfig
 from dpex.dispatcher.state import DispatcherState, Job, Split
 from dpex.dispatcher.store import Store
 from dpex.dispatcher.waiters import Poll, Waiters
@@ -46,6 +47,10 @@ class Journaled:
         self.started = time.monotonic()
         self.heartbeats = 0                    # guarded by lock: answered since start (GetStatus)
         self.stopping = threading.Event()      # the long polls end; no new one waits
+        # The scaling policy (None: --max-workers 0) and its last decision, guarded by lock.
+        self.scaling = (Policy(ScalingConfig(config.min_workers, config.max_workers,
+                                             cooldown_s=config.scale_cooldown_s)) if config.max_workers else None)
+        self.scaled: Decision | None = None
         self._closed = False                   # guarded by lock: the journal is closed
         self.store = Store(config.work_dir, config.journal_compact_bytes) if config.work_dir else None
         self._own_plan_dir = None if config.work_dir else temp_dir("dispatcher")

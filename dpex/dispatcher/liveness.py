@@ -18,6 +18,8 @@ class Liveness:
         self._jobs: dict[int, float] = {}                    # job id -> last call about it
         self.loads: dict[str, dpb.WorkerLoad] = {}           # worker id -> its last reported load
         self._needs: dict[tuple[int, int], tuple[int, float]] = {}  # (job, consumer) -> (workers needed, when)
+        # (job, consumer) -> (share of time waiting, batches per second, when), as the trainer last measured
+        self._demand: dict[tuple[int, int], tuple[float, float, float]] = {}
 
     # ---- heard from ----------------------------------------------------------
     def worker(self, worker_id: str, load: dpb.WorkerLoad | None = None) -> None:
@@ -26,10 +28,22 @@ class Liveness:
         if load is not None:
             self.loads[worker_id] = load
 
-    def consumer(self, job_id: int, consumer: int, workers_needed: int = 0) -> None:
+    def consumer(self, job_id: int, consumer: int, workers_needed: int = 0, wait_fraction: float = 0.0,
+                 batches_per_s: float = 0.0) -> None:
         now = self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
         if workers_needed:
             self._needs[(job_id, consumer)] = (workers_needed, now)
+            self._demand[(job_id, consumer)] = (wait_fraction, batches_per_s, now)
+
+    def demand(self, max_age_s: float = 15.0) -> tuple[int, float, float, int]:
+        """What the trainers that measured it in the last ``max_age_s`` said:
+        how many, the largest share of time one waited, the batches per second
+        they took together, and the most workers one asked for."""
+        now = self.clock()
+        recent = [(key, d) for key, d in self._demand.items() if now - d[2] <= max_age_s]
+        needs = [self._needs[key][0] for key, _ in recent if key in self._needs]
+        return (len(recent), max((d[0] for _, d in recent), default=0.0), sum(d[1] for _, d in recent),
+                max(needs, default=0))
 
     def workers_needed(self, job_id: int, max_age_s: float = 60.0) -> int:
         """The most any consumer of the job reported needing in the last ``max_age_s``; 0: none."""
@@ -53,6 +67,7 @@ class Liveness:
     def forget_consumer(self, job_id: int, consumer: int) -> None:
         self._consumers.pop((job_id, consumer), None)
         self._needs.pop((job_id, consumer), None)
+        self._demand.pop((job_id, consumer), None)
 
     def forget_worker(self, worker_id: str) -> None:
         for table in (self._workers, self._lost, self.loads):
@@ -67,7 +82,7 @@ class Liveness:
 
     def forget_job(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
-        for table in (self._consumers, self._needs):
+        for table in (self._consumers, self._needs, self._demand):
             for key in [k for k in table if k[0] == job_id]:
                 del table[key]
 

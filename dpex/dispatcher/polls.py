@@ -71,7 +71,8 @@ async def sync(j: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> dpb
             raise DpexNotFoundError(
                 f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                 f"epoch {request.epoch} (another trainer may have replaced it)")
-        j.seen.consumer(request.job_id, request.consumer_index, request.workers_needed)
+        j.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
+                        request.batches_per_s)
         if request.delivered_seqs:
             j.apply(mark_delivered=jpb.MarkDelivered(
                 job_id=request.job_id, consumer_index=request.consumer_index,

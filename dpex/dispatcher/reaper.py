@@ -1,12 +1,15 @@
 """The reaper: a thread that marks silent workers lost, releases silent
-consumers' plans, collects workers and jobs gone for their GC timeouts, and
-deletes the plan files nobody needs. dpex.dispatcher.server starts and stops it."""
+consumers' plans, collects workers and jobs gone for their GC timeouts,
+deletes the plan files nobody needs, and has the scaling policy look at what
+the trainers and workers said (dpex.dispatcher.scaling). dpex.dispatcher.server
+starts and stops it."""
 from __future__ import annotations
 
 import logging
 import threading
 
 from dpex.dispatcher.journaled import Journaled
+from dpex.dispatcher.scaling import Signals
 from dpex.log import fields
 from dpex.proto import journal_pb2 as jpb
 
@@ -56,8 +59,25 @@ class Reaper:
                     j.apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id, consumer_index=consumer,
                                                                  closed=True))
             self._collect()
+            self._scale()
             j.plan_files.keep({p.plan_file for job in j.state.jobs.values()
                                for p in job.plans.values() if p.plan_file and not p.finished})
+
+    def _scale(self) -> None:
+        """The policy's look at the trainers' and workers' signals; the caller holds the lock."""
+        j = self._j
+        if j.scaling is None:
+            return
+        alive = j.state.alive_workers()
+        loads = [j.seen.loads[w.worker_id] for w in alive if w.worker_id in j.seen.loads]
+        trainers, wait, rate, needed = j.seen.demand()
+        decision = j.scaling.decide(Signals(
+            now=j.seen.clock(), workers=len(alive), trainers=trainers, wait=wait, workers_needed=needed,
+            busy=sum(load.busy_fraction for load in loads) / len(loads) if loads else 0.0, throughput=rate))
+        if j.scaled is None or decision.target != j.scaled.target:
+            log.info("workers wanted: %d (%s)", decision.target, decision.reason,
+                     extra=fields(workers_wanted=decision.target, workers_alive=len(alive)))
+        j.scaled = decision
 
     def _collect(self) -> None:
         """Garbage collection; the caller holds the lock."""

@@ -46,4 +46,7 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
     alive = sum(w.state == "alive" for w in response.workers)
     extra = [max(0, job.workers_needed - alive) for job in response.jobs if job.workers_needed]
     response.workers_needed = alive + sum(extra) if extra else 0
+    with j.lock:
+        if j.scaled is not None:
+            response.workers_wanted, response.scaling_reason = j.scaled.target, j.scaled.reason
     return response

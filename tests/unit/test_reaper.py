@@ -53,3 +53,31 @@ def test_the_thread_reaps_until_stopped(make_core):
     finally:
         reaper.stop()
     assert not reaper._thread.is_alive()
+
+
+def test_the_scaling_policy_looks_at_what_the_trainers_said_and_status_tells_why(make_core):
+    import asyncio
+    from dpex.cmd.status import render
+    clock = Clock()
+    core = make_core(clock, heartbeat_timeout_s=60.0, min_workers=1, max_workers=4, scale_cooldown_s=30.0)
+    reaper = Reaper(core)
+    core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL)
+    job_id = job(core)
+    plan(core, job_id, 8)
+    reaper.reap()
+    assert core.status().workers_wanted == 1
+    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1, workers_needed=3,
+                                                           wait_fraction=0.45, batches_per_s=20), LOCAL))
+    reaper.reap()
+    status = core.status()
+    assert status.workers_wanted == 3 and "trainers wait 45% of the time; 1 -> 3" in status.scaling_reason
+    assert "workers wanted: 3 (trainers wait 45%" in render(status)
+    clock.now += 100  # the trainer went quiet: after the cool-down, back to the minimum
+    reaper.reap()
+    assert core.status().workers_wanted == 1
+
+
+def test_a_dispatcher_without_max_workers_wants_nothing(make_core):
+    core = make_core()
+    Reaper(core).reap()
+    assert core.status().workers_wanted == 0
