@@ -25,7 +25,30 @@ from dpex.testing.pki import write_pki
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
-VARIANTS = ["base", "overlays/daemonset", "overlays/tls", "overlays/autoscale"]
+VARIANTS = ["base", "overlays/daemonset", "overlays/tls", "overlays/autoscale", "overlays/keda"]
+# KEDA's ScaledObject, as far as the keda overlay uses it (the fields and types of KEDA's CRD,
+# keda.sh/v1alpha1): no Kubernetes schema holds a custom resource, so this one checks it offline.
+SCALED_OBJECT = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                   "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                                  "name": {"type": "string"},
+                                                  "envSourceContainerName": {"type": "string"}}},
+                **{k: {"type": "integer", "minimum": 0} for k in (
+                    "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod",
+                    "idleReplicaCount", "initialCooldownPeriod")},
+                "triggers": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["type", "metadata"],
+                    "properties": {"type": {"type": "string"}, "name": {"type": "string"},
+                                   "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}}},
+            }},
+    }}
 SAMPLES = 120
 
 needs_kubectl = pytest.mark.skipif(not __import__("shutil").which("kubectl"), reason="needs kubectl")
@@ -45,7 +68,7 @@ def test_manifests_render_validate_and_match_the_clis(variant, monkeypatch):
     from dpex.cmd.dispatcher import main as dispatcher_cli
     from dpex.cmd.worker import main as worker_cli
     objects = rendered(variant)
-    kube.validate(objects)  # strict: an unknown field fails too
+    kube.validate([o for o in objects if o["kind"] != "ScaledObject"])  # strict: an unknown field fails too
     dispatcher = kube.find(objects, "StatefulSet", "dpex-dispatcher")
     assert dispatcher["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "journal"
     assert kube.find(objects, "Service", "dpex-dispatcher")["spec"]["ports"][0]["port"] == 7070
@@ -69,6 +92,16 @@ def test_manifests_render_validate_and_match_the_clis(variant, monkeypatch):
     if variant == "overlays/autoscale":
         hpa = kube.find(objects, "HorizontalPodAutoscaler")
         assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "dpex_workers_needed"
+    if variant == "overlays/keda":  # KEDA scales the workers to the dispatcher's own policy's number
+        import jsonschema
+        scaled = kube.find(objects, "ScaledObject", "dpex-worker")
+        jsonschema.validate(scaled, SCALED_OBJECT)
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and "dpex_workers_wanted" in trigger["metadata"]["query"]
+        env = {v["name"]: v.get("value") for v in kube.pod_spec(dispatcher)["containers"][0]["env"]}
+        bounds = (int(env["DPEX_MIN_WORKERS"]), int(env["DPEX_MAX_WORKERS"]))
+        assert bounds == (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"])
+        assert scaled["spec"]["scaleTargetRef"]["name"] == workers_of(objects)["metadata"]["name"]
     if variant == "overlays/daemonset":
         assert not [o for o in objects if o["kind"] == "Deployment"]
         base_pod = kube.pod_spec(workers_of(rendered("base")))
