@@ -77,6 +77,15 @@ class StatsMeter:
             self._batches += 1
             self._bytes += nbytes
 
+    def recent(self) -> tuple[float, float]:
+        """The share of time waiting and the batches per second over the last
+        window, for the dispatcher; (0, 0) once the trainer has taken no batch
+        for a window (it paused: it waits for nothing)."""
+        with self._lock:
+            if self._last is None or time.monotonic() - self._last[1] > NEED_WINDOW_S:
+                return 0.0, 0.0
+            return self.recent_wait, self.recent_rate
+
     def recent_need(self) -> int:
         """The trainer's need of workers over its last NEED_WINDOW_S of
         batches (0 until that much was measured), for the dispatcher."""

@@ -14,14 +14,16 @@ tool can read it from `dpex status` or the metric.
   last one has had ``settle_s`` to show, and only if it raised the
   throughput (else more workers would not help: the trainers wait on
   something else, e.g. one slow sample).
-- **Down** by one when no trainer waits (under ``down_wait``) and the
-  workers' busy processes would fit in one worker fewer below ``down_busy``,
-  or when no trainer reads at all; never within ``cooldown_s`` of the last
+- **Down** when no trainer waits (under ``down_wait``): to as many workers
+  as the busy processes would keep below ``down_busy`` (the minimum when
+  they idle: a trainer that pauses, for an evaluation), or to the minimum
+  when no trainer reads at all; never within ``cooldown_s`` of the last
   change. The gap between the thresholds is the hysteresis: a steady load
   changes nothing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -98,10 +100,12 @@ class Policy:
                 target = min(c.max_workers, max(current + 1, s.workers_needed))
                 reason = f"trainers wait {s.wait:.0%} of the time; {current} -> {target}"
         elif s.wait < c.down_wait and current > c.min_workers and since >= c.cooldown_s:
-            if s.workers and s.busy * s.workers <= c.down_busy * (current - 1):
-                target = current - 1
-                reason = (f"trainers wait {s.wait:.0%} and the workers are {s.busy:.0%} busy: one can go; "
-                          f"{current} -> {target}")
+            # As many as their busy processes would keep below down_busy (a paused trainer's: the fewest).
+            enough = max(c.min_workers, math.ceil(s.busy * s.workers / c.down_busy - 1e-9))
+            if s.workers and enough < current:
+                target = enough
+                reason = (f"trainers wait {s.wait:.0%} and the workers are {s.busy:.0%} busy: "
+                          f"{current - enough} can go; {current} -> {target}")
         if target != current:
             self._before_up = s.throughput if target > current else None
             self._changed_at = s.now

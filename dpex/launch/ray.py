@@ -1,13 +1,25 @@
-"""Dpex on a Ray cluster: the dispatcher and one ``dpex-worker`` per node, as
+"""Dpex on a Ray cluster: the dispatcher and its ``dpex-worker`` daemons as
 Ray actors (``pip install 'dpex[ray]'``; public as :mod:`dpex.ray`).
 
 A head actor (named, detached, on Ray's head node) runs ``dpex-dispatcher``
-and keeps one worker actor on every alive node: pinned to it (hard node
-affinity), taking the node's CPUs as Ray resources, running ``dpex-worker``
-with as many processes, so each worker reads that node's own data. It starts
-workers on nodes that join, forgets nodes that leave, and replaces a worker
-whose daemon died. Actors are found again by name: loaders and trainers
-reuse them until :func:`stop`. The actors only run the CLIs with flags.
+and keeps the worker actors, in one of two ways:
+
+- **One per node** (the default): a worker actor on every alive node, pinned
+  to it (hard node affinity), taking the node's CPUs as Ray resources and
+  running ``dpex-worker`` with as many processes, so each worker reads that
+  node's own data. Workers start on nodes that join; nodes that leave are
+  forgotten.
+- **As many as the trainers need** (``RayConfig(min_workers=, max_workers=)``):
+  the dispatcher's scaling policy (dpex.dispatcher.scaling) says how many
+  workers the trainers need; the head actor starts worker actors of
+  ``worker_cpus`` CPUs each wherever Ray places them (one that cannot be
+  placed stays pending, and Ray's autoscaler adds a node for it), and lets
+  one go by draining it: SIGTERM, the worker deregisters and the dispatcher
+  gives its splits to the others, so nothing is lost or repeated.
+
+A worker whose daemon died is replaced. Actors are found again by name:
+loaders and trainers reuse them until :func:`stop`. The actors only run the
+CLIs with flags.
 """
 from __future__ import annotations
 
@@ -57,10 +69,23 @@ class RayConfig:
     retry_s: float = 30.0                 # a node whose worker failed to start is tried again after this
     start_timeout_s: float = 120.0        # a daemon that does not serve within this fails
     auth_token: str | None = field(default=None, repr=False)
+    min_workers: int | None = None        # None: one worker per node; else the scaling policy's bounds
+    max_workers: int | None = None
+    scale_cooldown_s: float = 60.0        # no worker let go within this of the last change
 
     def __post_init__(self) -> None:
         if self.worker_cpus is not None and self.worker_cpus <= 0:
             raise DpexConfigError("worker_cpus must be > 0 or None (all of each node's CPUs)")
+        if (self.min_workers is None) != (self.max_workers is None):
+            raise DpexConfigError("give min_workers and max_workers together (or neither: one worker per node)")
+        if self.scaled and not (0 <= self.min_workers <= self.max_workers and self.max_workers >= 1):
+            raise DpexConfigError(f"need 0 <= min_workers <= max_workers and max_workers >= 1, got "
+                                  f"{self.min_workers}..{self.max_workers}")
+
+    @property
+    def scaled(self) -> bool:
+        """Workers as the scaling policy wants them, not one per node."""
+        return self.min_workers is not None
         if self.reconcile_interval_s <= 0 or self.retry_s <= 0 or self.start_timeout_s <= 0:
             raise DpexConfigError("reconcile_interval_s, retry_s and start_timeout_s must be > 0")
 
@@ -145,13 +170,17 @@ class HeadActor:
         self._config, self._token = config, token
         host = ray.util.get_node_ip_address()
         args = ["dpex.cmd.dispatcher", "--host", host, "--port", str(config.dispatcher_port),
-                *(["--work-dir", config.work_dir] if config.work_dir else []), *config.dispatcher_flags]
+                *(["--work-dir", config.work_dir] if config.work_dir else []),
+                *(["--min-workers", str(config.min_workers), "--max-workers", str(config.max_workers),
+                   "--scale-cooldown", str(config.scale_cooldown_s)] if config.scaled else []),
+                *config.dispatcher_flags]
         self._dispatcher = _Process("dispatcher", args, _token_env(token), config.start_timeout_s)
         self._lock = threading.Lock()
         self._workers: dict[str, tuple[Any, Any]] = {}  # node id -> (actor, its address() ref)
         self._ready: dict[str, str] = {}                # node id -> worker address
         self._failed: dict[str, tuple[float, str]] = {}  # node id -> (when, why)
         self._passes = 0  # reconcile() passes done: each tries every alive node
+        self._started = 0  # worker actors started by the scaling policy's numbers (their names)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dpex-reconcile")
         self._thread.start()
@@ -175,7 +204,14 @@ class HeadActor:
             return {node: why for node, (_, why) in self._failed.items()}
 
     def reconcile(self) -> None:
-        """One pass: a worker for every alive node without one, none for nodes that left."""
+        """One pass: a worker for every alive node without one, none for nodes
+        that left; or (scaled) as many workers as the dispatcher wants."""
+        if self._config.scaled:
+            self._scale()
+            self._collect()
+            with self._lock:
+                self._passes += 1
+            return
         alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
         with self._lock:
             known = dict(self._workers)
@@ -201,6 +237,58 @@ class HeadActor:
         self._collect()
         with self._lock:
             self._passes += 1
+
+    def wanted(self) -> int:
+        """The number of workers the dispatcher's scaling policy wants now
+        (its minimum until the policy has looked, or while it cannot be asked)."""
+        from dpex.proto import dispatcher_pb2 as dpb
+        from dpex.proto import dispatcher_pb2_grpc as dgrpc
+        from dpex.rpc import call, channel
+        config = self._config
+        try:
+            ch = channel(self._dispatcher.daemon.address, self._token, None)
+            try:
+                status = call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(), target="dispatcher",
+                              timeout_s=5)
+            finally:
+                ch.close()
+        except DpexError as e:
+            log.warning("cannot ask the dispatcher how many workers it wants (%s)", e)
+            return config.min_workers
+        return min(max(status.workers_wanted or config.min_workers, config.min_workers), config.max_workers)
+
+    def _scale(self) -> None:
+        """Starts worker actors up to the number wanted, wherever Ray places
+        them; past it, lets one go: one still starting, else the newest, drained."""
+        wanted = self.wanted()
+        with self._lock:
+            count, pending = len(self._workers), [k for k in self._workers if k not in self._ready]
+            failed = [when for when, _ in self._failed.values()]
+        if count < wanted:
+            if failed and time.monotonic() - max(failed) < self._config.retry_s:
+                return  # a worker could not start a moment ago: not another at once
+            cpus = self._config.worker_cpus or 1.0
+            for _ in range(wanted - count):
+                self._started += 1
+                key = f"scaled-{self._started}"
+                actor = WorkerActor.options(name=f"dpex-worker-{key}", namespace=NAMESPACE, lifetime="detached",
+                                            num_cpus=cpus).remote(self._dispatcher.daemon.address,
+                                                                  max(1, int(cpus)), self._config, self._token)
+                with self._lock:
+                    self._workers[key] = (actor, actor.address.remote())
+            log.info("workers wanted: %d; starting %d", wanted, wanted - count)
+        elif count > wanted:
+            with self._lock:
+                key = pending[-1] if pending else list(self._workers)[-1]
+                actor, _ = self._workers[key]
+                draining = key in self._ready
+            log.info("workers wanted: %d; %s %s", wanted, "draining" if draining else "cancelling", key)
+            if draining:  # SIGTERM: it deregisters (its splits go to the others), answers what is in flight, exits
+                try:
+                    ray.get(actor.stop.remote(), timeout=60)
+                except Exception as e:  # noqa: BLE001 -- gone already: nothing to drain
+                    log.warning("worker %s did not stop cleanly: %s", key, _reason(e))
+            self._forget(key)
 
     def _collect(self) -> None:
         """Takes in the addresses of workers that started; replaces the dead."""

@@ -32,15 +32,19 @@ def test_workers_wait_to_start_before_more_are_asked_for():
     assert d.target == 2 and "waiting for 1 worker(s) to start" in d.reason
 
 
-def test_down_by_one_after_the_cool_down_when_a_worker_can_go_and_to_the_minimum_when_nobody_reads():
+def test_down_after_the_cool_down_to_what_the_busy_processes_need_and_to_the_minimum_when_nobody_reads():
     p = Policy(CONFIG)
     p.decide(Signals(now=0, workers=1, trainers=1, wait=0.5, workers_needed=4, throughput=10))
     idle = dict(workers=4, trainers=1, wait=0.0, busy=0.3, throughput=40)
     assert p.decide(Signals(now=30, **idle)).target == 4  # within the cool-down
-    d = p.decide(Signals(now=61, **idle))
-    assert d.target == 3 and "one can go" in d.reason
-    assert p.decide(Signals(now=100, workers=3, trainers=1, wait=0.0, busy=0.3)).target == 3  # cool-down again
-    d = p.decide(Signals(now=200, workers=3, trainers=0))
+    d = p.decide(Signals(now=61, **idle))  # 4 x 30 % busy fits in 2 below 70 %
+    assert d.target == 2 and "2 can go; 4 -> 2" in d.reason
+    assert p.decide(Signals(now=100, workers=2, trainers=1, wait=0.0, busy=0.0)).target == 2  # cool-down again
+    paused = p.decide(Signals(now=130, workers=2, trainers=1, wait=0.0, busy=0.0))  # an evaluation: idle workers
+    assert paused.target == 1
+    p.decide(Signals(now=140, workers=1, trainers=1, wait=0.5, workers_needed=3, throughput=10))  # it resumes
+    assert p.target == 3
+    d = p.decide(Signals(now=300, workers=3, trainers=0))
     assert d.target == 1 and "no trainer reads" in d.reason
 
 
