@@ -134,10 +134,17 @@ def _print_endpoint(endpoint) -> None:
 @click.option("--data-path", "data_paths", multiple=True, help="A node without it gets no worker (repeatable).")
 @click.option("--worker-cpus", type=float, default=None, help="Ray CPUs per worker [default: all of its node's].")
 @click.option("--wait", type=float, default=120.0, show_default=True, help="Seconds to wait for the workers.")
+@click.option("--min-workers", type=int, default=None,
+              help="With --max-workers: as many workers as the dispatcher's scaling policy wants, within these "
+              "bounds, instead of one per node.")
+@click.option("--max-workers", type=int, default=None, help="See --min-workers.")
+@click.option("--scale-cooldown", type=float, default=60.0, show_default=True,
+              help="Seconds after a change before a worker is let go.")
 def ray_start(address: str, work_dir: str | None, data_paths: tuple[str, ...], worker_cpus: float | None,
-              wait: float) -> None:
+              wait: float, min_workers: int | None, max_workers: int | None, scale_cooldown: float) -> None:
     """Start Dpex on the Ray cluster (or find it there) and say where it serves."""
-    config = _ray("RayConfig", work_dir=work_dir, data_paths=data_paths, worker_cpus=worker_cpus)
+    config = _ray("RayConfig", work_dir=work_dir, data_paths=data_paths, worker_cpus=worker_cpus,
+                  min_workers=min_workers, max_workers=max_workers, scale_cooldown_s=scale_cooldown)
     _print_endpoint(_ray("start", address, config, wait_s=wait))
 
 
