@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--many", type=int, default=8, help="trials at once for the memory bound")
     p.add_argument("--budget-mb", type=int, default=16, help="--share-cache-bytes for the memory bound")
     p.add_argument("--val-batch-size", type=int, default=64, help="the validation set's batch size")
+    p.add_argument("--val-images", type=int, default=1024, help="the validation set's JPEGs")
     p.add_argument("--data", default=".data/bench-jpegs")
     args = p.parse_args()
 
@@ -140,7 +141,8 @@ def main() -> None:
     # A validation set kept by the workers: its second epoch's worker CPU against its first's.
     valid = dpex.LocalCluster(num_workers=1, processes=2)
     try:
-        val_spec = dpex.DatasetSpec("benchmarks.pipeline:JpegFolder", root, args.size, center=True)
+        val_root = make_jpegs(os.path.abspath(args.data + f"-val{args.val_images}"), args.val_images, 320, seed=1)
+        val_spec = dpex.DatasetSpec("benchmarks.pipeline:JpegFolder", val_root, args.size, center=True)
         val_cpu, val_children = [], []
         with dpex.RemoteDataLoader(valid.address, val_spec, batch_size=args.val_batch_size, cache="memory",
                                    timeout=600) as loader:
