@@ -1,9 +1,9 @@
 """Dpex on a Ray cluster whose autoscaler adds and removes nodes (Ray's fake
 multi-node provider, dpex.testing.rayscale): with RayConfig(min_workers,
 max_workers), a trainer that waits for data gets more workers (their actors
-wait for nodes the autoscaler adds), every batch arrives exactly once and in
-order across the scale events, and once it stops reading the workers are
-drained back to min_workers."""
+wait for nodes the autoscaler adds); while it pauses mid-epoch (an
+evaluation) they are drained back to min_workers, their splits going to the
+one left; and every batch arrives exactly once and in order across it all."""
 import threading
 
 import pytest
@@ -18,7 +18,7 @@ from dpex.rpc import call, channel  # noqa: E402
 from dpex.testing import wait_until  # noqa: E402
 from dpex.testing.rayscale import FakeAutoscalingCluster  # noqa: E402
 
-SAMPLES, BATCH = 3000, 10
+SAMPLES, BATCH = 6000, 10
 
 
 def alive(endpoint) -> int:
@@ -44,15 +44,18 @@ def test_workers_follow_what_the_trainer_needs_and_are_given_back():
             watcher.start()
             spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", SAMPLES, 0.01)  # I/O-bound: 10 ms a sample
             try:
+                got = []
                 with dpex.RemoteDataLoader(endpoint.address, spec, batch_size=BATCH, auth_token=endpoint.auth_token,
                                            timeout=120) as loader:
-                    got = [int(y) for batch in loader for y in batch["y"]]
+                    for batch in loader:
+                        got.extend(int(y) for y in batch["y"])
+                        if len(got) == SAMPLES // 2:  # an evaluation: the loop reads nothing for a while
+                            assert max(counts) >= 2, counts  # the waiting trainer got workers
+                            wait_until(lambda: alive(endpoint) == 1, 90, "the workers drained to min_workers")
             finally:
                 done.set()
                 watcher.join()
-            assert got == list(range(SAMPLES))  # exactly once, in order, across the scale events
-            assert max(counts) >= 2, counts  # the waiting trainer got workers
-            # It stopped reading: drained back to min_workers after the cool-down.
+            assert got == list(range(SAMPLES))  # exactly once, in order, across the scale events and the drain
             wait_until(lambda: alive(endpoint) == 1, 60, "the workers back to min_workers")
         finally:
             dpex.ray.stop(cluster.address)
