@@ -29,7 +29,7 @@ def alive(endpoint) -> int:
 
 def test_workers_follow_what_the_trainer_needs_and_are_given_back():
     with FakeAutoscalingCluster(node_cpus=1, max_nodes=4) as cluster:
-        config = dpex.ray.RayConfig(min_workers=1, max_workers=3, worker_cpus=1, scale_cooldown_s=5,
+        config = dpex.ray.RayConfig(min_workers=1, max_workers=4, worker_cpus=1, scale_cooldown_s=5,
                                     dispatcher_flags=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"),
                                     worker_flags=("--heartbeat-interval", "0.5"))
         endpoint = dpex.ray.start(cluster.address, config, wait_s=180)
