@@ -35,6 +35,7 @@ class LoaderStats:
 
 
 NEED_WINDOW_S = 10.0  # the need reported to the dispatcher is measured over about this much time
+FIRST_NEED_WINDOW_S = 3.0  # ... the first one over this much: a waiting trainer gets workers sooner
 
 
 def _need(alive: int, elapsed: float, wait: float) -> int:
@@ -88,9 +89,11 @@ class StatsMeter:
 
     def recent_need(self) -> int:
         """The trainer's need of workers over its last NEED_WINDOW_S of
-        batches (0 until that much was measured), for the dispatcher."""
+        batches (the first time FIRST_NEED_WINDOW_S; 0 until that much was
+        measured), for the dispatcher."""
         with self._lock:
-            if self._window[0] >= NEED_WINDOW_S and self.workers_alive > 0:
+            window = NEED_WINDOW_S if self._recent else FIRST_NEED_WINDOW_S
+            if self._window[0] >= window and self.workers_alive > 0:
                 alive = self.workers_alive
                 elapsed, wait, batches = self._window
                 self._recent = min(_need(alive, elapsed, wait), MAX_SCALE_STEP * alive)

@@ -121,6 +121,7 @@ def test_dispatcher_exports_the_workers_the_trainers_need(monkeypatch):
     `dpex status`, and goes when the trainer leaves."""
     import dpex.client.stats
     monkeypatch.setattr(dpex.client.stats, "NEED_WINDOW_S", 0.5)
+    monkeypatch.setattr(dpex.client.stats, "FIRST_NEED_WINDOW_S", 0.5)
     with test_cluster(num_workers=1, metrics=True) as c:
         url = c.dispatcher.metrics_url
         assert total(scrape(url), "dpex_workers_needed") == 0  # nobody training: nothing to scale for
