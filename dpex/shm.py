@@ -216,6 +216,17 @@ def write(directory: str, name: str, parts: list, meta: bytes = b"", keep_spares
     return Handoff(path, size, meta)
 
 
+def frame(directory: str | None, min_bytes: int, name: str, parts: list, keep_spares: int = 1) -> "bytes | Handoff":
+    """A frame of ``parts`` (its serialized Batch header first): a hand-off
+    file named ``name`` in ``directory`` when it has ``min_bytes`` or more
+    and the file can be written, else the bytes."""
+    if directory and sum(memoryview(p).nbytes for p in parts) >= min_bytes:
+        sent = write(directory, name, parts, parts[0], keep_spares)
+        if sent is not None:
+            return sent
+    return b"".join(parts)
+
+
 def _claim_spare(directory: str, path: str, keep: int) -> int | None:
     """Renames a spare file to ``path`` and opens it for writing, if any."""
     try:

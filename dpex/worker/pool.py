@@ -80,15 +80,11 @@ class BatchPool:
 
     def make_frame(self, parts: list) -> "bytes | shm.Handoff":
         """A frame of ``parts`` made in this daemon, as the batch processes make
-        theirs: a hand-off file when it is large, else bytes."""
-        if self.handoff_dir and sum(memoryview(p).nbytes for p in parts) >= self._handoff_min_bytes:
-            with self._count_lock:
-                self._made += 1
-                name = f"{os.getpid()}-d{self._made}"
-            handoff = shm.write(self.handoff_dir, name, parts, bytes(parts[0]), self._processes)
-            if handoff is not None:
-                return handoff
-        return b"".join(parts)
+        theirs (dpex.shm.frame): a hand-off file when it is large, else bytes."""
+        with self._count_lock:
+            self._made += 1
+            name = f"{os.getpid()}-d{self._made}"
+        return shm.frame(self.handoff_dir, self._handoff_min_bytes, name, parts, self._processes)
 
     def set_address(self, worker_address: str) -> None:
         """The worker's address, as its batch processes report it."""

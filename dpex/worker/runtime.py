@@ -267,13 +267,9 @@ def produce(task: Task) -> bytes | Handoff:
         seeding.clear()
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
-    parts = frame_parts(meta, parts)
-    if _handoff_dir and sum(memoryview(p).nbytes for p in parts) >= _handoff_min_bytes:
-        _produced += 1
-        sent = shm.write(_handoff_dir, f"{os.getpid()}-{_produced}", parts, parts[0], _num_children)
-        if sent is not None:
-            return sent
-    return b"".join(parts)
+    _produced += 1
+    return shm.frame(_handoff_dir, _handoff_min_bytes, f"{os.getpid()}-{_produced}", frame_parts(meta, parts),
+                     _num_children)
 
 
 def _seed_sample(task: Task, places: Sequence[int], i: int) -> None:
