@@ -178,7 +178,7 @@ class DispatcherCore(Journaled):
                 plan_hash=digest, split_size=self.config.split_size_batches, base_seed=request.base_seed,
                 num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches,
                 done=request.done, stream_starts=request.stream_starts,
-                share_key=b"" if request.num_streams else plan_share_key(job.definition, content, request.epoch)))
+                share_key=b"" if request.num_streams else plan_share_key(job.share_digest, content, request.epoch)))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
                                                     splits=plan.num_splits,

@@ -16,12 +16,14 @@ not the size of the plans.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpex.plan import seq as seqs
+from dpex.plan.spec import share_digest
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
@@ -188,6 +190,12 @@ class Job:
     closed: set[int] = field(default_factory=set)         # consumers gone (closed or silent)
     batches_planned: int = 0
     batches_delivered: int = 0
+
+    @functools.cached_property
+    def share_digest(self) -> bytes | None:
+        """What the job shares with jobs of its definition (dpex.plan.spec.share_digest),
+        hashed once: the definition holds the pickled dataset, and never changes."""
+        return share_digest(self.definition)
 
 
 class DispatcherState:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from dpex.dispatcher.journaled import Journaled
-from dpex.plan.spec import share_digest
 from dpex.proto import dispatcher_pb2 as dpb
 
 
@@ -42,7 +41,7 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                               epochs=[job.epochs[c] for c in sorted(job.epochs)],
                               state=state.job_state(job.job_id),
                               workers_needed=j.seen.workers_needed(job.job_id),
-                              shares=(share_digest(job.definition) or b"").hex()[:8])
+                              shares=(job.share_digest or b"").hex()[:8])
     alive = sum(w.state == "alive" for w in response.workers)
     extra = [max(0, job.workers_needed - alive) for job in response.jobs if job.workers_needed]
     response.workers_needed = alive + sum(extra) if extra else 0

@@ -76,9 +76,9 @@ def share_digest(job: dpb.JobDef) -> bytes | None:
     return hashlib.sha256(b"dpex-share-1" + content.SerializeToString(deterministic=True)).digest()[:16]
 
 
-def plan_share_key(job: dpb.JobDef, content: bytes, epoch: int) -> bytes:
-    """Equal for the plans of jobs of one definition whose splits hold equal
-    batches (``content``: the plan's own hash, before resume and client), so
-    that the dispatcher gives their equal splits to one worker; b"": none."""
-    digest = share_digest(job)
+def plan_share_key(digest: bytes | None, content: bytes, epoch: int) -> bytes:
+    """Equal for the plans of jobs of one definition (``digest``: their
+    share_digest) whose splits hold equal batches (``content``: the plan's own
+    hash, before resume and client), so that the dispatcher gives their equal
+    splits to one worker; b"": none."""
     return b"" if digest is None else hashlib.sha256(digest + content + b"epoch%d" % epoch).digest()[:16]
