@@ -98,6 +98,8 @@ class Shared:
         for ``wanted`` (the other jobs held here that may ask for it)."""
         with self._lock:
             followers = self._making.pop(ck, [])
+        if not followers and not wanted:
+            return  # nobody else will ask: the frame is not read back (a hand-off file's bytes)
         kept = self._keep(frame) if not _failed(frame) else None
         for key, future in followers:
             wanted.discard(key.job_id)

@@ -98,3 +98,13 @@ def test_the_definition_digest_counts_what_a_batch_holds_and_nothing_else():
     assert share_digest(dpb.JobDef(dataset=b"other", batch_size=4)) != share_digest(job)
     assert share_digest(dpb.JobDef(dataset=b"spec", batch_size=4, no_share=True)) is None  # share=False
     assert share_digest(dpb.JobDef(dataset=b"spec", batch_size=4, process_seeds=True)) is None
+
+
+def test_a_batch_no_other_job_wants_is_not_read_back(monkeypatch):
+    """A lone job's hand-off file stays unread by the daemon: copying a batch's
+    bytes for nobody was half the daemon's CPU per batch (worker_rate.py)."""
+    s = shared()
+    monkeypatch.setattr(Shared, "_keep", staticmethod(lambda frame: (_ for _ in ()).throw(AssertionError("read"))))
+    s.lead(b"k")
+    s.made(b"k", shm.Handoff("/nonexistent", 10, b""), wanted=set())
+    assert (s.hits, s.misses, s.bytes) == (0, 1, 0)
