@@ -13,6 +13,16 @@ def tree(pid: int) -> list[int]:
     return [pid, *descendants(pid)]
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Moves every thread of the process to ``cores`` (its threads started
+    before keep their own affinity otherwise)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds the processes used so far (threads included)."""
     total = 0

@@ -9,6 +9,10 @@ generators set from its place in the epoch, dpex.seeding) and with
 ``reproducible=False`` (the processes' generators run on, as torch's): the
 ratio of the two is what reproducible batches cost.
 
+"bare" is the pipeline and default_collate alone in P fresh processes (images
+per CPU second, summed): the ceiling of any loader on P cores, and so of the
+ratio (bare / torch).
+
 Prints samples/s of each run, the medians and their ratio (Dpex / torch);
 the trainer process's CPU per batch for both (for torch: its main process,
 which receives and unpickles the batches); and peak RSS of the trainer and
@@ -29,6 +33,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
 from benchmarks.measure import peak_rss_mb, reset_peak, tree  # noqa: E402
 from benchmarks.pipeline import ImageFolder, make_images  # noqa: E402
+
+
+def _bare(root: str, batch: int, batches: int) -> float:
+    """Images per CPU second of the pipeline alone, in a fresh process."""
+    import random
+
+    from torch.utils.data import default_collate
+    torch.set_num_threads(1)
+    ds = ImageFolder(root)
+    default_collate([ds[i] for i in range(batch)])  # warm
+    cpu = time.process_time()
+    for _ in range(batches):
+        default_collate([ds[random.randrange(len(ds))] for _ in range(batch)])
+    return batches * batch / (time.process_time() - cpu)
 
 
 def epoch_rate(loader) -> tuple[float, float]:
@@ -81,6 +99,10 @@ def main() -> None:
                       flush=True)
         remote.close()
         unkeyed.close()
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(P, mp_context=mp.get_context("spawn")) as pool:
+        bare = sum(f.result() for f in [pool.submit(_bare, root, B, 12) for _ in range(P)])
     t, d = statistics.median(rates["torch"]), statistics.median(rates["dpex"])
     u = statistics.median(rates["unkeyed"])
     tc, dc = statistics.median(cpu["torch"]), statistics.median(cpu["dpex"])
@@ -89,7 +111,8 @@ def main() -> None:
     print(f"torch DataLoader(num_workers={P}): {t:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader (1 worker x {P}): {d:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader, reproducible=False: {u:8.1f} samples/s (median of {args.rounds})")
-    print(f"ratio dpex/torch: {d / t:.3f}")
+    print(f"bare pipeline, {P} processes: {bare:8.1f} img per CPU second (the ceiling: bare/torch {bare / t:.3f})")
+    print(f"ratio dpex/torch: {d / t:.3f}; dpex/bare {d / bare:.3f}")
     print(f"ratio reproducible / reproducible=False: {d / u:.3f} (per round: "
           + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["dpex"], rates["unkeyed"])) + ")")
     print(f"trainer CPU per batch: torch main process {tc:.1f} ms, dpex trainer {dc:.1f} ms "

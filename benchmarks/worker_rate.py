@@ -5,8 +5,9 @@ torch worker process makes of it, and the pipeline run bare in a process.
     .venv/bin/python benchmarks/worker_rate.py [--cores 1] [--rounds 3]
 
 The producers (torch's ``--cores`` worker processes, or one Dpex worker of
-``--cores`` processes) get cores 1..cores, the consuming process core 0; the
-consumer only takes batches. Samples are JPEGs decoded, random-resized-cropped
+``--cores`` processes: its daemon and batch processes) get cores 1..cores,
+the consuming process core 0, and so does the Dpex dispatcher (the control
+plane, which runs elsewhere in a deployment); the consumer only takes batches. Samples are JPEGs decoded, random-resized-cropped
 and flipped into uint8 (``benchmarks.pipeline.JpegFolder``, as
 ``train_speed.py``). "bare" is the dataset and torch's default_collate in one
 process per core, nothing else: the ceiling. Rounds alternate; medians.
@@ -67,6 +68,7 @@ def main() -> None:
     from torch.utils.data import DataLoader, RandomSampler
 
     import dpex
+    from benchmarks.measure import pin
     from benchmarks.pipeline import JpegFolder, make_jpegs
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < args.cores + 1:
@@ -94,6 +96,7 @@ def main() -> None:
     os.sched_setaffinity(0, producers)
     cluster = dpex.LocalCluster(num_workers=1, processes=K)
     os.sched_setaffinity(0, consumer)
+    pin(cluster.dispatcher.process.pid, consumer)  # the control plane, not the worker: another host's, normally
     spec = dpex.DatasetSpec("benchmarks.pipeline:JpegFolder", root, args.size)
 
     def dpex_rate(shared_memory: bool) -> float:

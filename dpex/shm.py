@@ -40,6 +40,7 @@ class Handoff(NamedTuple):
     path: str
     size: int
     meta: bytes = b""  # the frame's serialized Batch metadata (no payload)
+    offset: int = 0    # where the frame starts in the file (one written in place: dpex.worker.slabs)
 
 
 def host_id() -> str:
@@ -80,19 +81,20 @@ def is_handoff_path(path: str) -> bool:
             and bool(name) and not name.startswith("."))
 
 
-def map_frame(path: str, size: int) -> memoryview:
-    """A same-host trainer's view of a hand-off file: mapped (private, so the
-    tensors are writable without touching the file) and lent: the file goes
-    back to the worker as a spare once the mapping is gone."""
+def map_frame(path: str, size: int, offset: int = 0) -> memoryview:
+    """A same-host trainer's view of the frame in a hand-off file (``size``
+    bytes from ``offset``): mapped (private, so the tensors are writable
+    without touching the file) and lent: the file goes back to the worker as
+    a spare once the mapping is gone."""
     if not is_handoff_path(path):
         raise OSError(f"not a dpex hand-off file: {path!r}")
     fd = os.open(path, os.O_RDONLY)
     try:
         actual = os.fstat(fd).st_size
-        if actual != size or size == 0:
+        if actual < offset + size or size == 0:
             _unlink(path)
-            raise OSError(f"hand-off file {path} is {actual} bytes, expected {size}")
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            raise OSError(f"hand-off file {path} is {actual} bytes, expected {size} from {offset}")
+        mapped = mmap.mmap(fd, offset + size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     directory, name = os.path.split(path)
@@ -100,10 +102,10 @@ def map_frame(path: str, size: int) -> memoryview:
     try:
         os.rename(path, lent)
     except OSError:  # the worker removed it meanwhile: the mapping holds the data
-        return memoryview(mapped)
+        return memoryview(mapped)[offset:]
     # Runs once the mapping is unmapped, i.e. when the batch's last tensor dies.
     weakref.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name), _forks).atexit = False
-    return memoryview(mapped)
+    return memoryview(mapped)[offset:]
 
 
 _forks = 0  # a child forked while a file was mapped maps it too: that file is not given back
@@ -191,7 +193,7 @@ def write(directory: str, name: str, parts: list, meta: bytes = b"", keep_spares
     one, removing spares beyond ``keep_spares``); None if it cannot (the pipe
     it is)."""
     path = os.path.join(directory, name)
-    fd = _claim_spare(directory, path, keep_spares)
+    fd = claim_spare(directory, path, keep_spares)
     reused = fd is not None
     try:
         if fd is None:
@@ -227,28 +229,30 @@ def frame(directory: str | None, min_bytes: int, name: str, parts: list, keep_sp
     return b"".join(parts)
 
 
-def _claim_spare(directory: str, path: str, keep: int) -> int | None:
-    """Renames a spare file to ``path`` and opens it for writing, if any."""
+def claim_spare(directory: str, path: str, keep: int, prefer: str = "", flags: int = os.O_WRONLY) -> int | None:
+    """Renames a spare file to ``path`` and opens it (``flags``), if any: one
+    whose name starts with ``SPARE + prefer`` first (a batch process's own,
+    which it may still have mapped). Removes the spares beyond ``keep``, the
+    others first: more than are needed (trainers gave back a window's worth)."""
     try:
         spares = [n for n in os.listdir(directory) if n.startswith(SPARE)]
     except OSError:
         return None
-    fd = None
+    if prefer:
+        spares.sort(key=lambda n: not n.startswith(SPARE + prefer))
     for i, spare in enumerate(spares):
-        if fd is not None:
-            if len(spares) - i > keep:  # more than are needed: trainers gave back a window's worth
-                _unlink(os.path.join(directory, spare))
-            continue
         try:
             os.rename(os.path.join(directory, spare), path)
         except OSError:
             continue  # another process took it first
+        for extra in spares[i + 1:][keep:][::-1]:
+            _unlink(os.path.join(directory, extra))
         try:
-            fd = os.open(path, os.O_WRONLY)
+            return os.open(path, flags)
         except OSError:
             _unlink(path)
             return None
-    return fd
+    return None
 
 
 def _unlink(path: str) -> None:
@@ -262,13 +266,21 @@ def take(handoff: Handoff, spares: int = 0) -> bytes:
     """The frame's bytes. The file is gone afterwards: kept as a spare while
     fewer than ``spares`` exist, else removed."""
     try:
-        with open(handoff.path, "rb", buffering=0) as f:
-            data = f.read(handoff.size)
+        data = read(handoff)
     finally:
         _recycle(handoff.path, spares)
     if len(data) != handoff.size:
         raise OSError(f"hand-off file {handoff.path} is {len(data)} bytes, expected {handoff.size}")
     return data
+
+
+def read(handoff: Handoff) -> bytes:
+    """The frame's bytes, copied out of its file (which stays)."""
+    fd = os.open(handoff.path, os.O_RDONLY)
+    try:
+        return os.pread(fd, handoff.size, handoff.offset)
+    finally:
+        os.close(fd)
 
 
 def _recycle(path: str, spares: int) -> None:

@@ -22,7 +22,7 @@ def mapped(meta: wpb.Batch) -> tuple[wpb.Batch, Any]:
     """The frame a hand-off header points to, mapped from its file. OSError as
     mapping raises it (PermissionError: another user's file; FileNotFoundError:
     gone with its worker)."""
-    return parse_frame(shm.map_frame(meta.shm_path, meta.shm_size))
+    return parse_frame(shm.map_frame(meta.shm_path, meta.shm_size, meta.shm_offset))
 
 
 def batch(meta: wpb.Batch, payload: Any) -> Any:

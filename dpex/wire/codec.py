@@ -33,7 +33,7 @@ import pickle
 import struct
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -56,13 +56,20 @@ def _aligned(n: int) -> int:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, placed: Callable[[int, int], int | None] | None = None, start: int = 0) -> None:
         self.buffers: list[memoryview] = []
-        self.size = 0
+        self.offsets: list[int] = []
+        self.size = _aligned(start)
+        self.placed = placed  # a buffer's offset if it lies in the data section already (by address, size)
 
     def add(self, buf: memoryview) -> int:
+        if self.placed is not None:
+            at = self.placed(np.frombuffer(buf, dtype=np.uint8).ctypes.data, buf.nbytes)
+            if at is not None:
+                return at
         offset = self.size
         self.buffers.append(buf)
+        self.offsets.append(offset)
         self.size = _aligned(offset + buf.nbytes)
         return offset
 
@@ -151,6 +158,21 @@ def encode_parts(obj: Any) -> list[Any]:
         parts.append(buf)
         parts.append(_PAD[: _aligned(buf.nbytes) - buf.nbytes])
     return parts
+
+
+def encode_placed(obj: Any, placed: Callable[[int, int], int | None],
+                  start: int) -> tuple[list[bytes], list[tuple[int, memoryview]], int]:
+    """The payload of a batch whose buffers mostly lie in its data section
+    already (stacked there: dpex.worker.slabs): ``placed(address, nbytes)``
+    gives such a buffer's offset in the section, else None; the others go
+    from ``start`` on. Returns the payload's head (what precedes the data
+    section), the other buffers with their offsets, and the section's size."""
+    enc = _Encoder(placed, start)
+    header = msgpack.packb(enc.node(obj), use_bin_type=True)
+    head_size = _PREFIX.size + len(header)
+    head = [_PREFIX.pack(MAGIC, len(header)), header, _PAD[: _aligned(head_size) - head_size]]
+    copies = list(zip(enc.offsets, enc.buffers))
+    return head, copies, max([start] + [offset + buf.nbytes for offset, buf in copies])
 
 
 class _Decoder:

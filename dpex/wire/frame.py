@@ -49,6 +49,13 @@ def frame_parts(meta: wpb.Batch, payload_parts: list) -> list:
     return [meta.SerializeToString(), _PAYLOAD_TAG, _varint(size), *payload_parts]
 
 
+def frame_head(meta: wpb.Batch, payload_head: list, data_size: int) -> bytes:
+    """What precedes a payload's data section of ``data_size`` bytes in its
+    frame: ``meta``, the payload's field tag and size, and ``payload_head``."""
+    size = sum(len(p) for p in payload_head) + data_size
+    return b"".join([meta.SerializeToString(), _PAYLOAD_TAG, _varint(size), *payload_head])
+
+
 def build_frame(meta: wpb.Batch, payload: bytes = b"") -> bytes:
     return b"".join(frame_parts(meta, [payload]) if payload else [meta.SerializeToString()])
 

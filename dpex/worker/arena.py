@@ -20,32 +20,46 @@ _ALIGN = 64
 
 class Arena:
     """One buffer the tensors of a batch are carved from, reused by the next
-    batch; it grows to the largest batch seen."""
+    batch; it grows to the largest batch seen. A batch may be carved from a
+    region given instead (a hand-off file's data section: dpex.worker.slabs)."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._region = self._buffer
         self._used = 0
         self._wanted = 0  # the batch that did not fit: the size to grow to
+        self.size = 0     # the bytes the last batch took (64-byte aligned tensors)
 
-    def _reset(self) -> None:
-        if self._wanted > self._buffer.numel():
-            self._buffer = torch.empty(self._wanted, dtype=torch.uint8)
+    def _reset(self, region: torch.Tensor | None) -> None:
+        if region is None:
+            if self._wanted > self._buffer.numel():
+                self._buffer = torch.empty(self._wanted, dtype=torch.uint8)
+            region = self._buffer
+        self._region = region
         self._used = self._wanted = 0
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         start = -(-self._used // _ALIGN) * _ALIGN
         self._used = start + nbytes
-        if self._used > self._buffer.numel():
+        if self._used > self._region.numel():
             self._wanted = max(self._wanted, self._used)
             return torch.empty(shape, dtype=dtype)  # this batch only; the next one fits
-        return self._buffer[start:self._used].view(dtype).view(shape)
+        return self._region[start:self._used].view(dtype).view(shape)
 
-    def collate(self, samples: list) -> Any:
-        """torch's default_collate, with tensors stacked into this arena: the
-        result is valid until the next call (callers encode it before)."""
-        self._reset()
-        return collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+    @property
+    def overflowed(self) -> bool:
+        """The last batch did not fit: some of its tensors lie elsewhere."""
+        return self._wanted > 0
+
+    def collate(self, samples: list, region: torch.Tensor | None = None) -> Any:
+        """torch's default_collate, with tensors stacked into this arena (or
+        into ``region``, uint8): the result is valid until the next call
+        (callers encode it before)."""
+        self._reset(region)
+        batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+        self.size = self._used
+        return batch
 
     def _stack(self, batch: list, *, collate_fn_map: Any = None) -> torch.Tensor:
         elem = batch[0]

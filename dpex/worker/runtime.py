@@ -38,6 +38,7 @@ _handoff_dir: str | None = None
 _handoff_min_bytes = shm.MIN_BYTES
 _produced = 0
 _arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
+_slabs: Any = None  # this process's hand-off files, written in place (dpex.worker.slabs)
 _slots: Any = None  # shared with the daemon: [pid, sample being read] per child, what a death reports
 _sample_budgets = (1 << 30, 8 << 30)  # the sample cache's memory and disk tiers, in bytes
 _samples: Any = None  # this process's view of the worker's sample cache, made at the first cached job's sample
@@ -203,10 +204,10 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
     return info
 
 
-def collate(job: _Job, samples: list) -> Any:
+def collate(job: _Job, samples: list, slab: Any = None) -> Any:
     """The job's collate_fn; torch's default_collate stacks into this
-    process's arena (dpex.worker.arena) instead of shared memory, so the
-    result must be encoded before the next call."""
+    process's arena (dpex.worker.arena) instead of shared memory, or straight
+    into ``slab``'s hand-off file, so the result must be encoded before the next call."""
     from torch.utils.data import default_collate
     if job.collate is not default_collate:
         return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
@@ -214,7 +215,36 @@ def collate(job: _Job, samples: list) -> Any:
     if _arena is None:  # only children collate: the daemon need not import torch
         from dpex.worker.arena import Arena
         _arena = Arena()
-    return _arena.collate(samples)
+    return _arena.collate(samples, slab.data if slab is not None else None)
+
+
+def _claim_slab(job: _Job) -> Any:
+    """A hand-off file to stack this batch into, where the job's batches go
+    through default_collate uncompressed and the last one was large enough to
+    travel as a file; else None (the batch is copied into its file, if any).
+    Its name is ``<pid>-s<n>``: this process claims its own spares first."""
+    global _slabs
+    from torch.utils.data import default_collate
+    if (not _handoff_dir or job.collate is not default_collate or job.compression or _arena is None
+            or _arena.size < _handoff_min_bytes):
+        return None
+    if _slabs is None:
+        from dpex.worker.slabs import Slabs
+        _slabs = Slabs(_handoff_dir, _num_children)
+    return _slabs.claim(f"{os.getpid()}-s{_produced + 1}", _arena.size)
+
+
+def _in_place(slab: Any, meta: Any, batch: Any) -> Handoff | None:
+    """The frame of a batch stacked into ``slab``, its head written before its
+    data; None where it cannot be (the batch is then copied into a file)."""
+    import functools
+
+    from dpex.wire.codec import encode_placed
+    from dpex.wire.frame import frame_head
+    if _arena.overflowed:
+        return None
+    head, copies, size = encode_placed(batch, functools.partial(_slabs.offset_of, slab), _arena.size)
+    return _slabs.finish(slab, frame_head(meta, head, size), copies, size, meta.SerializeToString())
 
 
 def produce(task: Task) -> bytes | Handoff:
@@ -226,7 +256,7 @@ def produce(task: Task) -> bytes | Handoff:
     from dpex.wire.compression import compress
     meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                      epoch=task.epoch, seq=task.seq)
-    stage, index = "build", -1
+    stage, index, slab = "build", -1, None
     try:
         job = load_job(task.job_id, task.job_path)
         meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
@@ -255,9 +285,14 @@ def produce(task: Task) -> bytes | Handoff:
         stage, index = "collate", -1
         if places:
             seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), _contexts[_current].users)
-        batch = collate(job, samples)
+        slab = _claim_slab(job)
+        batch = collate(job, samples, slab)
         seeding.clear()
         stage = "encode"
+        done = _in_place(slab, meta, batch) if slab is not None else None
+        if done is not None:
+            _produced += 1
+            return done
         parts = encode_parts(batch)
         if job.compression:
             meta.raw_size = sum(memoryview(p).nbytes for p in parts)
@@ -265,11 +300,16 @@ def produce(task: Task) -> bytes | Handoff:
             parts = [compress(job.compression, parts)]
     except Exception as e:
         seeding.clear()
+        if slab is not None:
+            _slabs.release(slab)
         meta.error.CopyFrom(remote_error(e, stage, index))
         return meta.SerializeToString()
     _produced += 1
-    return shm.frame(_handoff_dir, _handoff_min_bytes, f"{os.getpid()}-{_produced}", frame_parts(meta, parts),
-                     _num_children)
+    frame = shm.frame(_handoff_dir, _handoff_min_bytes, f"{os.getpid()}-{_produced}", frame_parts(meta, parts),
+                      _num_children)
+    if slab is not None:  # stacked into, then copied: a spare again
+        _slabs.release(slab)
+    return frame
 
 
 def _seed_sample(task: Task, places: Sequence[int], i: int) -> None:

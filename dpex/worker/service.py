@@ -138,7 +138,7 @@ class WorkerService:
         if isinstance(frame, Handoff):
             if same_host:
                 meta = wpb.Batch.FromString(frame.meta)
-                meta.shm_path, meta.shm_size = frame.path, frame.size
+                meta.shm_path, meta.shm_size, meta.shm_offset = frame.path, frame.size, frame.offset
                 return build_frame(meta)
             frame = shm.take(frame, self._spares)
         if len(frame) > self._max_frame:

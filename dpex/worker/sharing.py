@@ -136,8 +136,7 @@ class Shared:
         """The frame's bytes, copied out of a hand-off file (which its own job's trainer takes)."""
         if isinstance(frame, shm.Handoff):
             try:
-                with open(frame.path, "rb", buffering=0) as f:
-                    data = f.read(frame.size)
+                data = shm.read(frame)
             except OSError:
                 return None
             if len(data) != frame.size:
