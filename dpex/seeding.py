@@ -71,25 +71,71 @@ def seed_globals(seed: int, skip: frozenset = frozenset()) -> None:
         np.random.seed(seed & 0xFFFFFFFF)
 
 
+_MT_WORDS = 624      # the Mersenne Twister's words: regenerated every 624 draws
+_MAX_REGENERATIONS = 64  # draws told from a seeding: up to 624 * 64 words between the marks (9 ms to search)
+
+
 def seed_marks() -> dict[str, Any]:
-    """What changes when a global generator is seeded, but not when it is
-    drawn from: torch's initial seed, numpy's key, ``random``'s state less its
-    position. Taken before and after a ``worker_init_fn``."""
+    """The global generators' states (torch: its initial seed, which a draw
+    does not change), taken before and after a ``worker_init_fn``."""
     import random
 
     import numpy as np
     import torch
-    version, state, gauss = random.getstate()
-    return {"random": (version, state[:-1]), "torch": torch.initial_seed(),
-            "numpy": np.random.get_state()[1].tobytes()}
+    return {"random": random.getstate(), "torch": torch.initial_seed(), "numpy": np.random.get_state()}
 
 
 def seeded_since(marks: dict[str, Any]) -> frozenset:
     """The generators seeded since ``marks`` were taken: the user's from then
     on (a ``worker_init_fn`` that seeds torch keeps torch's generator as
-    torch's DataLoader would), which keyed draws leave alone."""
+    torch's DataLoader would), which keyed draws leave alone. A generator only
+    drawn from is not seeded, however many draws (``_drawn``)."""
     now = seed_marks()
-    return frozenset(name for name in GENERATORS if now[name] != marks[name])
+    seeded = {"torch"} if now["torch"] != marks["torch"] else set()
+    if not _drawn(_random_words(marks["random"]), _random_words(now["random"]), _random_after):
+        seeded.add("random")
+    if not _drawn(_numpy_words(marks["numpy"]), _numpy_words(now["numpy"]), _numpy_after):
+        seeded.add("numpy")
+    return frozenset(seeded)
+
+
+def _drawn(before: Any, after: Any, regenerate: Any) -> bool:
+    """``after`` is what draws from ``before`` reach: the words are equal, or
+    equal after some regenerations (a Mersenne Twister makes its next 624
+    words from its last ones, whatever was drawn)."""
+    if before is None or after is None:
+        return before == after
+    words = before
+    for _ in range(_MAX_REGENERATIONS + 1):
+        if words == after:
+            return True
+        words = regenerate(words)
+    return False
+
+
+def _random_words(state: tuple) -> tuple | None:
+    version, internal, _ = state
+    return (version, internal[:-1]) if len(internal) == _MT_WORDS + 1 else None
+
+
+def _random_after(words: tuple) -> tuple:
+    import random
+    r = random.Random(0)
+    r.setstate((words[0], (*words[1], _MT_WORDS), None))  # at the end of its words: the next draw regenerates
+    r.getrandbits(32)
+    return _random_words(r.getstate())
+
+
+def _numpy_words(state: tuple) -> bytes | None:
+    return state[1].tobytes() if state[0] == "MT19937" else None
+
+
+def _numpy_after(words: bytes) -> bytes:
+    import numpy as np
+    r = np.random.RandomState()
+    r.set_state(("MT19937", np.frombuffer(words, dtype=np.uint32), _MT_WORDS, 0, 0.0))
+    r.random_sample()  # two words, from regenerated ones
+    return _numpy_words(r.get_state())
 
 
 def clear() -> None:

@@ -85,6 +85,22 @@ def test_keyed_draws_depend_on_a_samples_place_alone(tmp_path):
     assert not torch.equal(moved["x"][0], alone["x"][0])
 
 
+def _draw_in_worker_init(worker_id: int) -> None:
+    import random
+
+    import numpy as np
+    np.random.rand(3), random.random()  # draws, seeds nothing: right after torch's worker seeding, a regeneration
+
+
+def test_a_worker_init_fn_that_only_draws_leaves_the_draws_keyed(tmp_path):
+    keyed = job_file(tmp_path, "Augmented", n=16)
+    drawing = job_file(tmp_path, "Augmented", "drawing.pb", worker_init_fn=_draw_in_worker_init, n=16)
+    _, want = batch_of(produce(Task(1, keyed, 0, 0, 0, [3, 4], 99, places=[30, 40])))
+    _, got = batch_of(produce(Task(2, drawing, 0, 0, 0, [3, 4], 99, places=[30, 40])))
+    assert torch.equal(got["x"], want["x"])
+    assert runtime._contexts[runtime._current].users == frozenset()
+
+
 def test_inspect_reports_length_kind_and_build_errors(tmp_path):
     ok = wpb.InspectResponse.FromString(runtime.inspect(1, job_file(tmp_path, "Squares", n=42)))
     assert (ok.length, ok.iterable, ok.HasField("error")) == (42, False, False)

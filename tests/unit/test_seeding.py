@@ -119,3 +119,17 @@ def test_generators_a_worker_init_fn_seeded_are_the_users_and_keyed_draws_leave_
     assert torch.initial_seed() == 12345  # the user's, as under torch's DataLoader
     assert np.random.get_state()[1][0] == np.random.RandomState(seeding.for_sample(7, 11) & 0xFFFFFFFF).get_state()[1][0]
     seeding.clear()
+
+
+@pytest.mark.parametrize("draws", [1, 700, 15000])
+def test_drawing_from_numpy_and_random_is_not_seeding_them_however_many_draws(draws):
+    """The Mersenne Twister regenerates its 624 words every 624 draws: a
+    worker_init_fn that draws (and so crosses a regeneration) has not seeded
+    the generator, and keyed draws still key it. One that seeds and then
+    draws has."""
+    marks = seeding.seed_marks()
+    np.random.rand(draws), [random.random() for _ in range(draws)], torch.rand(draws)
+    assert seeding.seeded_since(marks) == frozenset()
+    np.random.seed(draws + 5), random.seed(draws + 5)  # not the seed they had: that would draw the same
+    np.random.rand(draws), [random.random() for _ in range(draws)]
+    assert seeding.seeded_since(marks) == {"numpy", "random"}
