@@ -13,7 +13,8 @@ files it wrote and claims its own spares first: their pages are mapped
 already, so a batch does not fault them in again (mapping a file afresh costs
 as much as the copy it saves). Each mapped file is held open, so that its
 inode number cannot name another file meanwhile; one that somebody removed
-is let go at the next claim.
+is let go at the next claim. So a process holds at most ``KEEP`` batches of
+file memory beyond the files that exist: those removed since its last batch.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dpex import shm
 
 HEAD = 64 << 10  # room for the frame's head before the data section; a larger head takes the copy
 TAIL = 64 << 10  # room after the stacked tensors for the batch's other buffers (its labels)
-KEEP = 8         # mappings a process keeps: its files in flight and its spares
+KEEP = 4         # mappings a process keeps: its files in flight and its spares (at most 4 batches' memory)
 
 
 class Slab(NamedTuple):
