@@ -42,7 +42,10 @@ PRELUDE = textwrap.dedent("""
         mine = open("/proc/self/cmdline").read()
         out = {}
         for pid in descendants(os.getpid()):
-            cmd = open(f"/proc/{pid}/cmdline").read()
+            try:
+                cmd = open(f"/proc/{pid}/cmdline").read()
+            except OSError:  # exited since it was listed (a torch worker or a stream's process ending)
+                continue
             kind = ("forked" if cmd == mine else "dispatcher" if "dpex.cmd.dispatcher" in cmd
                     else "worker" if "dpex.cmd.worker" in cmd else "spawned")
             out[kind] = out.get(kind, 0) + 1

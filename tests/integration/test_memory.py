@@ -34,5 +34,6 @@ def test_batch_processes_reuse_freed_heap_instead_of_faulting_it_in_again():
         with dpex.RemoteDataLoader(c.address, spec, batch_size=8, timeout=60) as dl:
             faults = [b["faults"].tolist() for b in dl]
     assert len(faults) == 8
-    later = [f for batch in faults[2:] for f in batch]  # after the heap has grown once
-    assert max(later) < 64, f"page faults per sample: {later}"  # 8 x 512 KB faulted in again: ~800
+    later = sorted(f for batch in faults[2:] for f in batch)  # after the heap has grown once
+    # 8 x 512 KB faulted in again is ~800 a sample; a sample may meet a heap moved by something else once.
+    assert later[len(later) * 9 // 10] < 64 and later[-1] < 256, f"page faults per sample: {later}"
