@@ -21,6 +21,7 @@ of the Dpex worker (daemon + processes) against torch's worker processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -32,21 +33,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
 from benchmarks.measure import peak_rss_mb, reset_peak, tree  # noqa: E402
-from benchmarks.pipeline import ImageFolder, make_images  # noqa: E402
-
-
-def _bare(root: str, batch: int, batches: int) -> float:
-    """Images per CPU second of the pipeline alone, in a fresh process."""
-    import random
-
-    from torch.utils.data import default_collate
-    torch.set_num_threads(1)
-    ds = ImageFolder(root)
-    default_collate([ds[i] for i in range(batch)])  # warm
-    cpu = time.process_time()
-    for _ in range(batches):
-        default_collate([ds[random.randrange(len(ds))] for _ in range(batch)])
-    return batches * batch / (time.process_time() - cpu)
+from benchmarks.pipeline import ImageFolder, bare_rate, make_images  # noqa: E402
 
 
 def epoch_rate(loader) -> tuple[float, float]:
@@ -102,7 +89,8 @@ def main() -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(P, mp_context=mp.get_context("spawn")) as pool:
-        bare = sum(f.result() for f in [pool.submit(_bare, root, B, 12) for _ in range(P)])
+        bare = sum(f.result() for f in [pool.submit(bare_rate, functools.partial(ImageFolder, root), B, 12)
+                                        for _ in range(P)])
     t, d = statistics.median(rates["torch"]), statistics.median(rates["dpex"])
     u = statistics.median(rates["unkeyed"])
     tc, dc = statistics.median(cpu["torch"]), statistics.median(cpu["dpex"])

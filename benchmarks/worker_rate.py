@@ -15,31 +15,15 @@ process per core, nothing else: the ceiling. Rounds alternate; medians.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
-import random
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _bare(root: str, size: int, batch: int, batches: int, core: int) -> float:
-    """Images per CPU second of the pipeline alone, in a fresh process."""
-    os.sched_setaffinity(0, {core})
-    import torch
-    from torch.utils.data import default_collate
-
-    from benchmarks.pipeline import JpegFolder
-    torch.set_num_threads(1)
-    ds = JpegFolder(root, size)
-    default_collate([ds[i] for i in range(batch)])  # warm
-    cpu = time.process_time()
-    for _ in range(batches):
-        default_collate([ds[random.randrange(len(ds))] for _ in range(batch)])
-    return batches * batch / (time.process_time() - cpu)
 
 
 def _rate(batches, steps: int, batch: int) -> float:
@@ -69,7 +53,7 @@ def main() -> None:
 
     import dpex
     from benchmarks.measure import pin
-    from benchmarks.pipeline import JpegFolder, make_jpegs
+    from benchmarks.pipeline import JpegFolder, bare_rate, make_jpegs
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < args.cores + 1:
         sys.exit(f"needs {args.cores + 1} cores, has {len(cores)}")
@@ -109,7 +93,8 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             with ProcessPoolExecutor(K, mp_context=spawn) as pool:
-                bare = [pool.submit(_bare, root, args.size, B, args.steps, core) for core in sorted(producers)]
+                bare = [pool.submit(bare_rate, functools.partial(JpegFolder, root, args.size), B, args.steps, core)
+                        for core in sorted(producers)]
                 results["bare"].append(sum(f.result() for f in bare))
             results["torch"].append(torch_rate())
             results["dpex same host"].append(dpex_rate(True))

@@ -28,7 +28,6 @@ _SAMPLE, _COLLATE = b"dpex-sample", b"dpex-collate"
 _KEY = struct.Struct("<qq")
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
-GENERATORS = frozenset({"random", "torch", "numpy"})  # the global generators a sample's seed keys
 
 _current: int | None = None  # the seed of the sample (or collate) being made in this process
 
@@ -132,7 +131,7 @@ def _numpy_words(state: tuple) -> bytes | None:
 
 def _numpy_after(words: bytes) -> bytes:
     import numpy as np
-    r = np.random.RandomState()
+    r = np.random.RandomState(0)  # any state: set_state replaces it (no seed would read the OS's entropy)
     r.set_state(("MT19937", np.frombuffer(words, dtype=np.uint32), _MT_WORDS, 0, 0.0))
     r.random_sample()  # two words, from regenerated ones
     return _numpy_words(r.get_state())

@@ -147,13 +147,18 @@ def encode(obj: Any) -> bytes:
     return b"".join(encode_parts(obj))
 
 
+def _head(enc: _Encoder, obj: Any) -> list[bytes]:
+    """The payload's head: prefix, msgpack header of ``obj`` (its buffers
+    added to ``enc``), padding to the data section."""
+    header = msgpack.packb(enc.node(obj), use_bin_type=True)
+    head_size = _PREFIX.size + len(header)
+    return [_PREFIX.pack(MAGIC, len(header)), header, _PAD[: _aligned(head_size) - head_size]]
+
+
 def encode_parts(obj: Any) -> list[Any]:
     """The payload as a list of buffers, to be joined once by the caller."""
     enc = _Encoder()
-    header = msgpack.packb(enc.node(obj), use_bin_type=True)
-    head_size = _PREFIX.size + len(header)
-    parts: list[Any] = [_PREFIX.pack(MAGIC, len(header)), header,
-                        _PAD[: _aligned(head_size) - head_size]]
+    parts: list[Any] = _head(enc, obj)
     for buf in enc.buffers:
         parts.append(buf)
         parts.append(_PAD[: _aligned(buf.nbytes) - buf.nbytes])
@@ -168,9 +173,7 @@ def encode_placed(obj: Any, placed: Callable[[int, int], int | None],
     from ``start`` on. Returns the payload's head (what precedes the data
     section), the other buffers with their offsets, and the section's size."""
     enc = _Encoder(placed, start)
-    header = msgpack.packb(enc.node(obj), use_bin_type=True)
-    head_size = _PREFIX.size + len(header)
-    head = [_PREFIX.pack(MAGIC, len(header)), header, _PAD[: _aligned(head_size) - head_size]]
+    head = _head(enc, obj)
     copies = list(zip(enc.offsets, enc.buffers))
     return head, copies, max([start] + [offset + buf.nbytes for offset, buf in copies])
 
