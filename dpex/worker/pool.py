@@ -11,6 +11,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from collections import OrderedDict
@@ -165,6 +166,11 @@ class BatchPool:
         for p in processes:  # exited, but its status may be being read by the executor's thread: wait for it
             if p.exitcode is None and multiprocessing.connection.wait([p.sentinel], 0):
                 p.join(1.0)
+                # Reaped by that thread between its waitpid and storing the code, our waitpid found no
+                # child (ECHILD) and join returned at once: the code is stored a moment later.
+                deadline = time.monotonic() + 1.0
+                while p.exitcode is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
         dead = [(p.pid, p.exitcode) for p in processes if p.exitcode not in (None, 0)]
         dead.sort(key=lambda d: d[1] == -signal.SIGTERM)
         if not dead:

@@ -54,3 +54,31 @@ def test_shared_the_first_free_process_takes_a_batch():
         assert pool.submit(whoami).result(timeout=120)[0] in (0, 1)  # the pool started again
     finally:
         pool.close()
+
+
+def test_a_death_is_reported_while_the_executors_thread_is_still_storing_its_code():
+    """The executor's thread reaps a dead process (waitpid) and stores its code
+    a moment later; death() asked in between found no child to wait for and
+    reported no death (a fresh-clone CI saw it once)."""
+    import multiprocessing
+    import threading
+    import types
+
+    p = multiprocessing.get_context("fork").Process(target=die)
+    p.start()
+    _, status = os.waitpid(p.pid, 0)  # as the executor's thread does first...
+    stored = threading.Event()
+
+    def store_later():
+        stored.wait(5)  # ...and then, once death() has found no child, stores the code
+        p._popen.returncode = os.waitstatus_to_exitcode(status)
+    threading.Thread(target=store_later).start()
+    original = p._popen.poll
+
+    def poll(flag=os.WNOHANG):
+        got = original(flag)  # ECHILD: None
+        stored.set()
+        return got
+    p._popen.poll = poll
+    death = BatchPool._death_of(types.SimpleNamespace(_slots=[]), [[p]])
+    assert death is not None and death[:2] == (p.pid, -signal.SIGKILL)
