@@ -10,8 +10,11 @@ generators set from its place in the epoch, dpex.seeding) and with
 ratio of the two is what reproducible batches cost.
 
 "bare" is the pipeline and default_collate alone in P fresh processes (images
-per CPU second, summed): the ceiling of any loader on P cores, and so of the
-ratio (bare / torch).
+per CPU second, summed): the ceiling of any use of P cores, and so of the
+ratio (bare / torch). "pool" is the same pipeline as a loader that sends
+nothing (benchmarks.pipeline.PoolLoader: P kept processes make each epoch's
+batches, the trainer counts them): what a loader can reach here, where the
+epoch's start and end (about a second long) and the trainer share the cores.
 
 Prints samples/s of each run, the medians and their ratio (Dpex / torch);
 the trainer process's CPU per batch for both (for torch: its main process,
@@ -33,7 +36,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
 from benchmarks.measure import peak_rss_mb, reset_peak, tree  # noqa: E402
-from benchmarks.pipeline import ImageFolder, bare_rate, make_images  # noqa: E402
+from benchmarks.pipeline import ImageFolder, PoolLoader, bare_rate, make_images  # noqa: E402
 
 
 def epoch_rate(loader) -> tuple[float, float]:
@@ -61,22 +64,24 @@ def main() -> None:
     P, B = args.processes, args.batch_size
     torch_loader = DataLoader(ImageFolder(root), batch_size=B, shuffle=True, num_workers=P,
                               persistent_workers=True, prefetch_factor=4)
+    ideal = PoolLoader(functools.partial(ImageFolder, root), args.images, B, P)
     with dpex.LocalCluster(num_workers=1, processes=P) as cluster:
         spec = dpex.DatasetSpec("benchmarks.pipeline:ImageFolder", root)
         remote = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300)
         unkeyed = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300,
                                         reproducible=False)
-        epoch_rate(torch_loader), epoch_rate(remote), epoch_rate(unkeyed)  # warm-up: workers, page cache, dataset
+        epoch_rate(torch_loader), epoch_rate(remote), epoch_rate(unkeyed), epoch_rate(ideal)  # warm-up: workers, page cache, dataset
         me = os.getpid()
         dpex_worker = tree(cluster.workers[0].process.pid)
         cluster_pids = set(dpex_worker) | set(tree(cluster.dispatcher.process.pid))
-        workers = {"dpex": dpex_worker, "unkeyed": dpex_worker,
-                   "torch": [p for p in tree(me)[1:] if p not in cluster_pids]}
-        rates: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": []}
-        cpu: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": []}
+        pool_pids = ideal.pids
+        workers = {"dpex": dpex_worker, "unkeyed": dpex_worker, "pool": pool_pids,
+                   "torch": [p for p in tree(me)[1:] if p not in cluster_pids and p not in pool_pids]}
+        rates: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
+        cpu: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
         rss: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
-            for name, loader in (("torch", torch_loader), ("dpex", remote), ("unkeyed", unkeyed)):
+            for name, loader in (("torch", torch_loader), ("dpex", remote), ("unkeyed", unkeyed), ("pool", ideal)):
                 reset_peak([me, *workers[name]])
                 rate, cpu_ms = epoch_rate(loader)
                 rss[name] = (peak_rss_mb([me]), peak_rss_mb(workers[name]))
@@ -86,21 +91,25 @@ def main() -> None:
                       flush=True)
         remote.close()
         unkeyed.close()
+        ideal.close()
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(P, mp_context=mp.get_context("spawn")) as pool:
         bare = sum(f.result() for f in [pool.submit(bare_rate, functools.partial(ImageFolder, root), B, 12)
                                         for _ in range(P)])
     t, d = statistics.median(rates["torch"]), statistics.median(rates["dpex"])
-    u = statistics.median(rates["unkeyed"])
+    u, c = statistics.median(rates["unkeyed"]), statistics.median(rates["pool"])
     tc, dc = statistics.median(cpu["torch"]), statistics.median(cpu["dpex"])
     print(f"\nimage pipeline, {args.images} PNGs {args.size}px -> 112px float, batch {B}, P={P} processes, "
           f"{os.cpu_count()} cores")
     print(f"torch DataLoader(num_workers={P}): {t:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader (1 worker x {P}): {d:8.1f} samples/s (median of {args.rounds})")
     print(f"dpex RemoteDataLoader, reproducible=False: {u:8.1f} samples/s (median of {args.rounds})")
+    print(f"pipeline as a loader sending nothing (pool of {P}): {c:8.1f} samples/s (median of {args.rounds}; "
+          f"pool/torch {c / t:.3f})")
     print(f"bare pipeline, {P} processes: {bare:8.1f} img per CPU second (the ceiling: bare/torch {bare / t:.3f})")
-    print(f"ratio dpex/torch: {d / t:.3f}; dpex/bare {d / bare:.3f}")
+    print(f"ratio dpex/torch: {d / t:.3f}; dpex/pool {d / c:.3f}; dpex/bare {d / bare:.3f} (per round, "
+          "dpex/torch: " + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["dpex"], rates["torch"])) + ")")
     print(f"ratio reproducible / reproducible=False: {d / u:.3f} (per round: "
           + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["dpex"], rates["unkeyed"])) + ")")
     print(f"trainer CPU per batch: torch main process {tc:.1f} ms, dpex trainer {dc:.1f} ms "
