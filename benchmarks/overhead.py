@@ -35,18 +35,39 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
-from benchmarks.measure import peak_rss_mb, reset_peak, tree  # noqa: E402
+from benchmarks.measure import cpu_s, peak_rss_mb, reset_peak, tree  # noqa: E402
 from benchmarks.pipeline import ImageFolder, PoolLoader, bare_rate, make_images  # noqa: E402
 
 
-def epoch_rate(loader) -> tuple[float, float]:
+def epoch_rate(loader, parts: dict[str, list[int]] | None = None) -> tuple[float, float]:
     """samples/s, and this process's CPU ms per batch (all its threads; read
-    from the kernel's clock, not /proc's 10 ms ticks: an epoch is ~50 ms)."""
+    from the kernel's clock, not /proc's 10 ms ticks: an epoch is ~50 ms).
+    With ``parts``, adds the epoch's batches, wall seconds and each part's CPU
+    seconds (its processes' /proc ticks) to ``_SPENT`` under ``loader``."""
+    before = {k: cpu_s(pids) for k, pids in (parts or {}).items()}
     cpu0, start, n, batches = time.process_time(), time.perf_counter(), 0, 0
     for x, _ in loader:
         n += len(x)
         batches += 1
-    return n / (time.perf_counter() - start), 1000 * (time.process_time() - cpu0) / batches
+    wall, trainer = time.perf_counter() - start, time.process_time() - cpu0
+    if parts is not None:
+        spent = _SPENT.setdefault(id(loader), {"batches": 0, "wall": 0.0, "trainer": 0.0})
+        for k, v in (("batches", batches), ("wall", wall), ("trainer", trainer),
+                     *((k, cpu_s(pids) - before[k]) for k, pids in parts.items())):
+            spent[k] = spent.get(k, 0) + v
+    return n / wall, 1000 * trainer / batches
+
+
+_SPENT: dict[int, dict[str, float]] = {}  # by loader: where its rounds' CPU went (epoch_rate)
+
+
+def spent_line(name: str, spent: dict[str, float]) -> str:
+    """CPU ms per batch by part, and the cores' idle time per batch."""
+    cores, batches = len(os.sched_getaffinity(0)), spent["batches"]
+    parts = {k: v for k, v in spent.items() if k not in ("batches", "wall")}
+    idle = cores * spent["wall"] - sum(parts.values())
+    return f"{name:8s} " + ", ".join(f"{k} {1000 * v / batches:5.2f}" for k, v in parts.items()) + \
+        f", idle {1000 * idle / batches:5.2f}"
 
 
 def main() -> None:
@@ -77,18 +98,24 @@ def main() -> None:
         pool_pids = ideal.pids
         workers = {"dpex": dpex_worker, "unkeyed": dpex_worker, "pool": pool_pids,
                    "torch": [p for p in tree(me)[1:] if p not in cluster_pids and p not in pool_pids]}
+        dispatcher = tree(cluster.dispatcher.process.pid)
+        parts = {"torch": {"processes": workers["torch"]}, "pool": {"processes": pool_pids},
+                 **{k: {"processes": dpex_worker[1:], "daemon": dpex_worker[:1], "dispatcher": dispatcher}
+                    for k in ("dpex", "unkeyed")}}
         rates: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
         cpu: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
         rss: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
             for name, loader in (("torch", torch_loader), ("dpex", remote), ("unkeyed", unkeyed), ("pool", ideal)):
                 reset_peak([me, *workers[name]])
-                rate, cpu_ms = epoch_rate(loader)
+                rate, cpu_ms = epoch_rate(loader, parts[name])
                 rss[name] = (peak_rss_mb([me]), peak_rss_mb(workers[name]))
                 rates[name].append(rate)
                 cpu[name].append(cpu_ms)
                 print(f"round {r + 1}: {name:5s} {rate:8.1f} samples/s, trainer CPU {cpu_ms:6.1f} ms/batch",
                       flush=True)
+        spent = {name: _SPENT[id(loader)] for name, loader in (("torch", torch_loader), ("dpex", remote),
+                                                               ("unkeyed", unkeyed), ("pool", ideal))}
         remote.close()
         unkeyed.close()
         ideal.close()
@@ -114,6 +141,10 @@ def main() -> None:
           + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["dpex"], rates["unkeyed"])) + ")")
     print(f"trainer CPU per batch: torch main process {tc:.1f} ms, dpex trainer {dc:.1f} ms "
           f"(ratio {dc / tc:.2f})")
+    print(f"CPU ms per batch by part, all rounds ({len(os.sched_getaffinity(0))} cores; trainer: the loop's "
+          "process, its gRPC threads included; idle: the cores' time no part used):")
+    for name, v in spent.items():
+        print("  " + spent_line(name, v))
     print(f"peak RSS MB (last round): trainer {rss['torch'][0]:.0f} (torch) / {rss['dpex'][0]:.0f} (dpex); "
           f"workers {rss['torch'][1]:.0f} (torch's {P} processes) / {rss['dpex'][1]:.0f} (dpex daemon + "
           f"{P} processes)")
