@@ -125,13 +125,15 @@ def test_ctrl_c_in_the_trainer_stops_the_embedded_cluster(tmp_path, context):
 def test_killed_trainer_takes_its_cluster_along(context):
     trainer = subprocess.Popen([sys.executable, "-c", SCRIPT, context], stdout=subprocess.PIPE, text=True)
     children = [int(p) for p in trainer.stdout.readline().split()]
+    # Read while the trainer lives: once it is dead, any cluster that starts (another
+    # test's, in parallel) may remove its directory before this one looks.
+    made = glob.glob(os.path.join(tempfile.gettempdir(), f"dpex-cluster-{trainer.pid}-*"))
+    assert len(made) == 1
     trainer.kill()
     trainer.wait()
     all_exit(children)
     # Its daemons removed their own directories; the cluster's log directory,
     # the killed trainer's, goes when the next cluster starts.
-    left = glob.glob(os.path.join(tempfile.gettempdir(), f"dpex-cluster-{trainer.pid}-*"))
-    assert len(left) == 1
     dpex.LocalCluster(num_workers=0).close()
-    assert not os.path.exists(left[0])
+    assert not os.path.exists(made[0])
     assert not [p for p in children if glob.glob(os.path.join(tempfile.gettempdir(), f"dpex-worker-{p}-*"))]
