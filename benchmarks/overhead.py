@@ -39,26 +39,24 @@ from benchmarks.measure import cpu_s, peak_rss_mb, reset_peak, tree  # noqa: E40
 from benchmarks.pipeline import ImageFolder, PoolLoader, bare_rate, make_images  # noqa: E402
 
 
-def epoch_rate(loader, parts: dict[str, list[int]] | None = None) -> tuple[float, float]:
+def epoch_rate(loader, parts: dict[str, list[int]] | None = None,
+               spent: dict[str, float] | None = None) -> tuple[float, float]:
     """samples/s, and this process's CPU ms per batch (all its threads; read
     from the kernel's clock, not /proc's 10 ms ticks: an epoch is ~50 ms).
-    With ``parts``, adds the epoch's batches, wall seconds and each part's CPU
-    seconds (its processes' /proc ticks) to ``_SPENT`` under ``loader``."""
-    before = {k: cpu_s(pids) for k, pids in (parts or {}).items()}
+    With ``spent``, adds to it the epoch's batches, wall seconds, the
+    trainer's CPU seconds and each of ``parts``' (its processes' /proc ticks)."""
+    parts = parts or {}
+    before = {k: cpu_s(pids) for k, pids in parts.items()}
     cpu0, start, n, batches = time.process_time(), time.perf_counter(), 0, 0
     for x, _ in loader:
         n += len(x)
         batches += 1
     wall, trainer = time.perf_counter() - start, time.process_time() - cpu0
-    if parts is not None:
-        spent = _SPENT.setdefault(id(loader), {"batches": 0, "wall": 0.0, "trainer": 0.0})
+    if spent is not None:
         for k, v in (("batches", batches), ("wall", wall), ("trainer", trainer),
                      *((k, cpu_s(pids) - before[k]) for k, pids in parts.items())):
             spent[k] = spent.get(k, 0) + v
     return n / wall, 1000 * trainer / batches
-
-
-_SPENT: dict[int, dict[str, float]] = {}  # by loader: where its rounds' CPU went (epoch_rate)
 
 
 def spent_line(name: str, spent: dict[str, float]) -> str:
@@ -91,7 +89,9 @@ def main() -> None:
         remote = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300)
         unkeyed = dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, timeout=300,
                                         reproducible=False)
-        epoch_rate(torch_loader), epoch_rate(remote), epoch_rate(unkeyed), epoch_rate(ideal)  # warm-up: workers, page cache, dataset
+        loaders = {"torch": torch_loader, "dpex": remote, "unkeyed": unkeyed, "pool": ideal}
+        for loader in loaders.values():  # warm-up: workers, page cache, dataset
+            epoch_rate(loader)
         me = os.getpid()
         dpex_worker = tree(cluster.workers[0].process.pid)
         cluster_pids = set(dpex_worker) | set(tree(cluster.dispatcher.process.pid))
@@ -102,20 +102,19 @@ def main() -> None:
         parts = {"torch": {"processes": workers["torch"]}, "pool": {"processes": pool_pids},
                  **{k: {"processes": dpex_worker[1:], "daemon": dpex_worker[:1], "dispatcher": dispatcher}
                     for k in ("dpex", "unkeyed")}}
-        rates: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
-        cpu: dict[str, list[float]] = {"torch": [], "dpex": [], "unkeyed": [], "pool": []}
+        rates: dict[str, list[float]] = {name: [] for name in loaders}
+        cpu: dict[str, list[float]] = {name: [] for name in loaders}
+        spent: dict[str, dict[str, float]] = {name: {} for name in loaders}  # where each one's CPU went
         rss: dict[str, tuple[float, float]] = {}
         for r in range(args.rounds):
-            for name, loader in (("torch", torch_loader), ("dpex", remote), ("unkeyed", unkeyed), ("pool", ideal)):
+            for name, loader in loaders.items():
                 reset_peak([me, *workers[name]])
-                rate, cpu_ms = epoch_rate(loader, parts[name])
+                rate, cpu_ms = epoch_rate(loader, parts[name], spent[name])
                 rss[name] = (peak_rss_mb([me]), peak_rss_mb(workers[name]))
                 rates[name].append(rate)
                 cpu[name].append(cpu_ms)
                 print(f"round {r + 1}: {name:5s} {rate:8.1f} samples/s, trainer CPU {cpu_ms:6.1f} ms/batch",
                       flush=True)
-        spent = {name: _SPENT[id(loader)] for name, loader in (("torch", torch_loader), ("dpex", remote),
-                                                               ("unkeyed", unkeyed), ("pool", ideal))}
         remote.close()
         unkeyed.close()
         ideal.close()

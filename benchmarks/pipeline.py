@@ -49,7 +49,6 @@ def bare_rate(make_dataset, batch: int, batches: int, core: int | None = None) -
     return batches * batch / (time.process_time() - cpu)
 
 
-
 _POOL_DATASET = None
 
 
@@ -90,6 +89,7 @@ class PoolLoader:
     def close(self) -> None:
         self._pool.terminate()
         self._pool.join()
+
 
 class ImageFolder(Dataset):
     def __init__(self, root: str, out_size: int = 112) -> None:

@@ -7,10 +7,11 @@ torch worker process makes of it, and the pipeline run bare in a process.
 The producers (torch's ``--cores`` worker processes, or one Dpex worker of
 ``--cores`` processes: its daemon and batch processes) get cores 1..cores,
 the consuming process core 0, and so does the Dpex dispatcher (the control
-plane, which runs elsewhere in a deployment); the consumer only takes batches. Samples are JPEGs decoded, random-resized-cropped
-and flipped into uint8 (``benchmarks.pipeline.JpegFolder``, as
-``train_speed.py``). "bare" is the dataset and torch's default_collate in one
-process per core, nothing else: the ceiling. Rounds alternate; medians.
+plane, which runs elsewhere in a deployment); the consumer only takes
+batches. Samples are JPEGs decoded, random-resized-cropped and flipped
+into uint8 (``benchmarks.pipeline.JpegFolder``, as ``train_speed.py``).
+"bare" is the dataset and torch's default_collate in one process per core,
+nothing else: the ceiling. Rounds alternate; medians.
 """
 from __future__ import annotations
 
