@@ -45,17 +45,19 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 def frame_parts(meta: wpb.Batch, payload_parts: list) -> list:
     """The pieces whose concatenation is ``meta`` with ``payload`` set."""
-    return [*_field_head(meta, sum(memoryview(p).nbytes for p in payload_parts)), *payload_parts]
+    return [*_field_head(meta.SerializeToString(), sum(memoryview(p).nbytes for p in payload_parts)),
+            *payload_parts]
 
 
-def _field_head(meta: wpb.Batch, payload_size: int) -> list[bytes]:
-    """``meta``, then the payload field's tag and size: what precedes the payload."""
-    return [meta.SerializeToString(), _PAYLOAD_TAG, _varint(payload_size)]
+def _field_head(meta: bytes, payload_size: int) -> list[bytes]:
+    """``meta`` (a serialized Batch), then the payload field's tag and size: what precedes the payload."""
+    return [meta, _PAYLOAD_TAG, _varint(payload_size)]
 
 
-def frame_head(meta: wpb.Batch, payload_head: list, data_size: int) -> bytes:
+def frame_head(meta: bytes, payload_head: list, data_size: int) -> bytes:
     """What precedes a payload's data section of ``data_size`` bytes in its
-    frame: ``meta``, the payload's field tag and size, and ``payload_head``."""
+    frame: ``meta`` (a serialized Batch without payload), the payload's field
+    tag and size, and ``payload_head``."""
     return b"".join([*_field_head(meta, sum(len(p) for p in payload_head) + data_size), *payload_head])
 
 

@@ -244,7 +244,8 @@ def _in_place(slab: Any, meta: Any, batch: Any) -> Handoff | None:
     if _arena.overflowed:
         return None
     head, copies, size = encode_placed(batch, functools.partial(_slabs.offset_of, slab), _arena.size)
-    return _slabs.finish(slab, frame_head(meta, head, size), copies, size, meta.SerializeToString())
+    serialized = meta.SerializeToString()
+    return _slabs.finish(slab, frame_head(serialized, head, size), copies, size, serialized)
 
 
 def produce(task: Task) -> bytes | Handoff:
