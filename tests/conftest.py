@@ -5,7 +5,9 @@ pytest-xdist's controller once every worker process is done (a worker
 process would see the other's live directories)."""
 import gc
 import os
+import sys
 import tempfile
+import time
 
 import pytest
 
@@ -54,9 +56,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+def _describe(path: str) -> str:
+    """A leftover, with what it holds: which test left it is then findable."""
+    try:
+        entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        age = time.time() - os.stat(path).st_mtime
+    except OSError:
+        return f"{path} (gone since)"
+    return f"{path} (modified {age:.0f} s before the end; holds {entries[:12]})"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Last of all, after pytest's own summary: a CI that keeps only the tail of
+    # the output still shows what was left.
     if _LEFT in config.stash:
-        terminalreporter.write_sep("=", f"the tests left behind: {config.stash[_LEFT]}", red=True, bold=True)
+        lines = "\n".join(f"  {_describe(p)}" for p in config.stash[_LEFT])
+        print(f"\nFAILED: the tests left behind:\n{lines}", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

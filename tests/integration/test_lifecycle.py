@@ -81,7 +81,9 @@ def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_back
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
+    # A trainer at a terminal: a suite started in the background by a shell would hand on SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import dpex
     from dpex.testing import descendants
     loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=10**4),
