@@ -62,7 +62,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     try:
         wait_until(lambda: not left(), 20, "dpex directories to be removed")
     except TimeoutError:
-        session.config.stash[_LEFT] = sorted(leftovers() - before)
+        session.config.stash[_LEFT] = sorted(left())
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
