@@ -24,7 +24,7 @@ import hashlib
 import struct
 from typing import Any
 
-_SAMPLE, _COLLATE = b"dpex-sample", b"dpex-collate"
+_SAMPLE, _COLLATE, _EPOCH = b"dpex-sample", b"dpex-collate", b"dpex-epoch"
 _KEY = struct.Struct("<qq")
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -44,6 +44,12 @@ def _derive(domain: bytes, base_seed: int, place: int) -> int:
 def for_sample(base_seed: int, place: int) -> int:
     """The seed (in [0, 2**63)) of the sample at ``place`` of an epoch of ``base_seed``."""
     return _derive(_SAMPLE, base_seed, place)
+
+
+def for_epoch(base_seed: int, epoch: int) -> int:
+    """The base seed of epoch ``epoch`` of a loader whose workers persist
+    (torch seeds them once, from the first epoch's base seed)."""
+    return _derive(_EPOCH, base_seed, epoch)
 
 
 def for_collate(base_seed: int, place: int) -> int:
@@ -143,20 +149,48 @@ def clear() -> None:
     _current = None
 
 
+_asked = False  # the sample being made read sample_seed() (a generator of its own): see drew_since
+
+
+def draw_marks() -> tuple:
+    """What :func:`drew_since` compares: the global generators' states, taken
+    before a sample is made."""
+    global _asked
+    _asked = False
+    return global_states()
+
+
+def drew_since(marks: tuple) -> bool:
+    """Whether the code run since :func:`draw_marks` drew a random number
+    from torch's, numpy's or ``random``'s global generator, or read
+    :func:`sample_seed` for a generator of its own: exactly, by the states.
+    (A generator seeded from the OS's entropy inside the code is not seen.)"""
+    import numpy as np
+    import torch
+    now = global_states()
+    if _asked or now[0] != marks[0] or not torch.equal(now[1], marks[1]):
+        return True
+    (_, words, pos, *gauss), (_, was_words, was_pos, *was_gauss) = now[2], marks[2]
+    return pos != was_pos or gauss != was_gauss or not np.array_equal(words, was_words)
+
+
 def sample_seed() -> int | None:
     """In a Dpex batch process: the seed of the sample (or, in ``collate_fn``,
     of the batch) being made, from which its global generators were set; for
     code that keeps generators of its own. None elsewhere (the trainer, a
     torch DataLoader's worker, a loader with ``reproducible=False``)."""
+    global _asked
+    _asked = True
     return _current
 
 
 def sample_generator() -> Any:
     """A new ``torch.Generator`` seeded with :func:`sample_seed` (None where that is None)."""
-    if _current is None:
+    seed = sample_seed()
+    if seed is None:
         return None
     import torch
-    return torch.Generator().manual_seed(_current)
+    return torch.Generator().manual_seed(seed)
 
 
 def global_states() -> tuple:

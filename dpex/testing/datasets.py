@@ -379,6 +379,33 @@ class AugmentedStream(torch.utils.data.IterableDataset):
         raise AttributeError(name)
 
 
+class Noisy(Dataset):
+    """Sample i: {"i": i, "x": torch.rand(4)}, an augmentation drawn from torch's global generator."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"i": i, "x": torch.rand(4, dtype=torch.float64)}
+
+
+class Changing(Dataset):
+    """Sample i changes each time it is made, with no random generator: {"i": i, "x": [i, calls so far]}."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n, self.calls = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.calls += 1
+        return {"i": i, "x": torch.tensor([float(i), float(self.calls)])}
+
+
 class OwnGenerator(Dataset):
     """Draws from a generator of its own, seeded by dpex.sample_seed()."""
 

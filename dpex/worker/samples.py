@@ -9,10 +9,16 @@ tier (its temp directory). ``"memory"`` fills the memory tier, spills its
 oldest samples to the disk tier past ``memory_bytes``, and evicts the disk
 tier's oldest past ``disk_bytes``; ``"disk"`` keeps only the disk tier.
 
-It checks itself: the first hits of each dataset in a process, then one in
-``check_every``, are computed again and compared byte for byte; a sample that
-changed (random draws in ``__getitem__``) raises an error naming its index,
-never wrong data in silence.
+A sample that draws at random is never kept: whether making it drew from
+torch's, numpy's or ``random``'s global generator (or read
+``dpex.sample_seed()``) is known exactly, from their states before and
+after (dpex.seeding.drew_since). Such a sample raises an error naming its
+index, and its dataset is marked as drawing (a file beside the disk tier's
+samples), so every later sample of it, in any process, epoch or job on this
+worker, is refused too: never wrong data in silence. For draws the states
+cannot show (a generator seeded from the OS's entropy), the first hits of
+each dataset in a process, then one in ``check_every``, are computed again
+and compared byte for byte.
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ FIRST_CHECKS = 2     # hits of a dataset checked in each process before checking
 _SCAN_EVERY = 1 / 16  # of a tier's budget written by this process before it adds up the tier again
 
 
+_DRAWS = ("cache: dataset[{index}] cannot be cached: {how} (torch's, numpy's or random's generator, or "
+          "dpex.sample_seed()), so its samples change between epochs; move the random part to collate_fn, "
+          "or leave cache unset")
+
+
 class SampleCache:
     def __init__(self, memory_dir: str | None, disk_dir: str, memory_bytes: int, disk_bytes: int,
                  check_every: int = 1000) -> None:
@@ -35,6 +46,7 @@ class SampleCache:
         self._written = {"memory": 0, "disk": 0}  # by this process since it last added a tier up
         self.check_every = check_every
         self._hits: dict[bytes, int] = {}
+        self._drawing: set[bytes] = set()  # datasets found drawing at random: refused
         self.hits = self.misses = self.checked = 0
         for path in self._dirs.values():
             if path:
@@ -42,12 +54,22 @@ class SampleCache:
 
     def sample(self, kind: str, digest: bytes, index: int, make: Callable[[], Any]) -> Any:
         """Sample ``index`` of the dataset ``digest``: kept, or ``make()`` and keep it."""
+        from dpex import seeding
         from dpex.wire import decode, encode_parts
         name = f"{digest.hex()}-{index}"
+        marker = os.path.join(self._dirs["disk"], f".{digest.hex()}.draws")
+        if digest in self._drawing or os.path.exists(marker):
+            self._drawing.add(digest)
+            raise DpexConfigError(_DRAWS.format(index=index, how="this dataset was found drawing at random"))
         data = self._read(name)
         if data is None:
             self.misses += 1
+            marks = seeding.draw_marks()
             sample = make()
+            if seeding.drew_since(marks):
+                self._drawing.add(digest)
+                open(marker, "wb").close()  # every process of this worker refuses the dataset from now on
+                raise DpexConfigError(_DRAWS.format(index=index, how="it drew at random while it was made"))
             self._write(kind, name, encode_parts(sample))
             return sample
         self.hits += 1

@@ -1,7 +1,9 @@
 """cache="memory" / "disk": a dataset's samples are made once on a worker
 and read back in later epochs and by other jobs of the same dataset; the
 batches are torch's DataLoader's (the oracle); a dataset that draws at random
-is refused at its first checked hit, naming the index."""
+is refused at its first sample, naming the index, and for every later job."""
+import re
+
 import pytest
 from torch.utils.data import DataLoader
 
@@ -56,8 +58,45 @@ def test_later_epochs_and_other_jobs_read_the_samples_back(cluster, tmp_path, ki
     assert "CACHED" in render(status) and " MB " in render(status).split("\n")[4]
 
 
-def test_a_dataset_that_draws_at_random_is_refused_naming_the_index(cluster):
-    spec = dpex.DatasetSpec("dpex.testing.datasets:Augmented", N)
+def epochs_caught(loader, n):
+    """``n`` epochs of a loop that catches the worker's errors and goes on, as README allows: the
+    samples each epoch yielded, and the errors."""
+    out = []
+    for _ in range(n):
+        got, errors, it = [], [], iter(loader)
+        while True:
+            try:
+                got += [x.tolist() for x in next(it)["x"]]
+            except StopIteration:
+                break
+            except dpex.DpexConfigError as e:
+                errors.append(str(e))
+        out.append((got, errors))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+@pytest.mark.parametrize("dataset", ["Augmented", "Noisy", "OwnGenerator"])
+def test_a_dataset_that_draws_at_random_is_never_served_from_the_cache(cluster, kind, dataset):
+    """Issue 55: stale random augmentations were served in silence after the first checked hits. Now
+    no epoch yields a sample of an earlier one, every batch fails naming its index, and another job
+    of the same dataset on that worker is refused at once."""
+    spec = dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", N)
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=4, cache=kind, timeout=60) as dl:
+        runs = epochs_caught(dl, 3)
+    seen = set()
+    for got, errors in runs:
+        assert not seen & {tuple(x) for x in got}, "a sample of an earlier epoch came back"
+        seen |= {tuple(x) for x in got}
+        assert len(errors) == N // 4 and all(re.search(r"dataset\[\d+\] cannot be cached", e) for e in errors)
+    assert "drew at random" in runs[0][1][0] or "found drawing" in runs[0][1][0]
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=6, shuffle=True, cache=kind, timeout=60) as other:
+        got, errors = epochs_caught(other, 1)[0]
+    assert got == [] and len(errors) == N // 6 and all("found drawing at random" in e for e in errors)
+
+
+def test_a_dataset_that_changes_without_the_global_generators_is_caught_by_the_checked_hits(cluster):
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Changing", N)
     with dpex.RemoteDataLoader(cluster.address, spec, batch_size=4, cache="memory", timeout=60) as dl:
         list(dl)  # epoch 1 fills the cache
         with pytest.raises(dpex.DpexConfigError, match=r"dataset\[\d+\] is not what it was when it was cached"):

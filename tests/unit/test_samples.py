@@ -61,3 +61,31 @@ def test_a_disk_cache_keeps_nothing_in_memory(tmp_path):
     c = cache(tmp_path)
     c.sample("disk", b"d", 0, lambda: sample(0))
     assert tiers_bytes((str(tmp_path / "mem"),)) == 0 and tiers_bytes((str(tmp_path / "disk"),)) > 0
+
+
+@pytest.mark.parametrize("draw", ["torch", "numpy", "random", "sample_seed"])
+def test_a_sample_that_draws_is_never_kept_and_its_dataset_is_refused_everywhere(tmp_path, draw):
+    """Issue 55: whether a sample drew is known from the generators' states, not by sampling hits."""
+    import random
+
+    import numpy as np
+
+    import dpex
+    draws = {"torch": lambda: torch.rand(1), "numpy": lambda: np.random.rand(), "random": random.random,
+             "sample_seed": dpex.sample_seed}
+
+    def make(i):
+        if i == 3:
+            draws[draw]()
+        return sample(i)
+    c = cache(tmp_path)
+    for i in range(3):  # draw-free samples are kept
+        c.sample("memory", b"d", i, lambda i=i: make(i))
+    with pytest.raises(DpexConfigError, match=r"dataset\[3\] cannot be cached: it drew at random"):
+        c.sample("memory", b"d", 3, lambda: make(3))
+    assert c.misses == 4 and not (tmp_path / "mem" / f"{b'd'.hex()}-3").exists()
+    # The dataset is refused from now on: its kept samples too, in this process and in another.
+    for other in (c, cache(tmp_path)):
+        with pytest.raises(DpexConfigError, match=r"dataset\[1\] cannot be cached: this dataset was found drawing"):
+            other.sample("memory", b"d", 1, lambda: make(1))
+    assert cache(tmp_path).sample("memory", b"another", 1, lambda: make(1))["i"] == 1
