@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import random
 import socket
 import threading
@@ -21,6 +22,7 @@ from dpex.auth import AsyncTokenCheck, TokenCheck, with_token
 log = logging.getLogger("dpex.rpc")
 
 from dpex.config import MAX_MESSAGE_BYTES
+from dpex.daemon import can_fork
 
 # HTTP/2 flow control and frame size fixed, not tuned on the fly. With BDP
 # probing on (grpc's default), a receiver re-announces SETTINGS_MAX_FRAME_SIZE
@@ -276,9 +278,40 @@ def check_address(address: str) -> str:
     return text
 
 
+_used = False              # this process made a gRPC channel: gRPC's threads run in it
+_used_at_fork = False      # ... when it last forked
+_forked_from_grpc = False  # this process is a fork of one where gRPC's threads ran
+
+
+def _before_fork() -> None:
+    global _used_at_fork
+    _used_at_fork = _used and not can_fork()  # a channel made, its threads running
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from_grpc, _used
+    _forked_from_grpc, _used = _forked_from_grpc or _used_at_fork, False
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def check_usable() -> None:
+    """Refuses at once in a process forked from one where Dpex had made a
+    gRPC channel: gRPC would hang in it (issue 55)."""
+    if _forked_from_grpc:
+        raise errors.DpexConfigError(
+            "this process was forked from one where Dpex had run (its gRPC threads), and gRPC hangs in such "
+            "a child: start it with multiprocessing.get_context('spawn') (or 'forkserver'), as torch's "
+            "DataLoader(multiprocessing_context=...) does, or make it before the parent's first Dpex loader")
+
+
 def channel(address: str, token: str | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
     """A channel to a Dpex daemon, sending ``token`` with every call; with
     ``tls_ca`` (PEM), over TLS, verifying the daemon against those CAs."""
+    global _used
+    check_usable()
+    _used = True
     address = check_address(address)
     if tls_ca:
         raw = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca),

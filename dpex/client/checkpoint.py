@@ -1,7 +1,7 @@
 """A loader's state dict: where its epochs stand, in a few numbers.
 
-``RemoteDataLoader.state_dict()`` returns plain Python values and byte
-tensors (torch.save them with the model): the number of ``iter()`` calls so far, the epoch in
+``RemoteDataLoader.state_dict()`` returns plain Python values, bytes as
+base64 text (torch.save them with the model, or json.dumps them): the number of ``iter()`` calls so far, the epoch in
 progress as it was sent to the dispatcher (its base seed and sampler
 description, its index batches for a sampler Dpex cannot describe, or its
 number of streams for an IterableDataset), the batches of it the training
@@ -18,6 +18,7 @@ from (small), not the shares it computed.
 """
 from __future__ import annotations
 
+import base64
 import math
 import threading
 import zlib
@@ -121,6 +122,17 @@ class EpochState:
     progress: Progress = field(default_factory=Progress)
     num_streams: int = 0  # an IterableDataset's epoch
     reshard: dict[str, Any] | None = None  # elastic: what ``batches`` were computed from (see reshard)
+    drawn: int = 0  # draws the sampler made from the user's generator (see dpex.client.paced)
+    end: Any = None  # an explicit plan's: the loader's generator's state once its sampler ran out
+    draw: Any = None  # the epoch's live draws (dpex.client.sampling.EpochDraw), whose count a state keeps
+
+    @property
+    def draws(self) -> int:
+        return self.draw.drawn if self.draw is not None else self.drawn
+
+    @property
+    def end_state(self) -> Any:
+        return self.draw.end if self.draw is not None else self.end
 
     def to_dict(self) -> dict[str, Any]:
         explicit = self.batches is not None and self.reshard is None
@@ -129,7 +141,9 @@ class EpochState:
                 "batches": [list(b.indices) for b in self.batches] if explicit else None,
                 "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
                 "places": self.place_batches() if explicit else None,
-                "reshard": self.reshard, "num_streams": self.num_streams,
+                "reshard": self.reshard, "num_streams": self.num_streams, "drawn": self.draws,
+                "generator_end": blob(zlib.compress(self.end_state.numpy().tobytes()))
+                if self.end_state is not None else None,
                 # Pairs, not dicts with int keys: a state survives a JSON round trip (keys become strings).
                 "ends": sorted([k, n] for k, n in self.progress.ends.items()),
                 "done": [list(r) for r in self.progress.ranges()],
@@ -147,7 +161,8 @@ class EpochState:
             batches = reshard(**d["reshard"])
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
-                   batches=batches, num_streams=d["num_streams"], reshard=d["reshard"],
+                   batches=batches, num_streams=d["num_streams"], reshard=d["reshard"], drawn=d.get("drawn", 0),
+                   end=_state(d["generator_end"]) if d.get("generator_end") else None,
                    progress=Progress([tuple(r) for r in d["done"]], d["num_streams"],
                                      {k: n for k, n in pairs(d["ends"])},
                                      {k: (j, unblob(state)) for k, (j, state) in pairs(d["stream_states"])},
@@ -242,14 +257,17 @@ def pairs(value: Any) -> list[tuple[int, Any]]:
     return [(int(k), rest[0] if len(rest) == 1 else tuple(rest)) for k, *rest in value]
 
 
-def blob(data: bytes) -> Any:
-    """Bytes as a uint8 tensor: torch.save writes a tensor's bytes as they are
-    (a ``bytes`` value, pickled with protocol 2, grows by half)."""
-    import torch
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+def blob(data: bytes) -> str:
+    """Bytes as base64 text: a state dict is plain JSON-safe values, for
+    ``torch.save`` and ``json.dumps`` alike (torchdata's states round-trip
+    through JSON)."""
+    return base64.b64encode(data).decode("ascii")
 
 
 def unblob(value: Any) -> bytes:
+    """The bytes of :func:`blob`'s text (or of an older state's byte tensor)."""
+    if isinstance(value, str):
+        return base64.b64decode(value.encode("ascii"), validate=True)
     return value if isinstance(value, bytes) else value.numpy().tobytes()
 
 
@@ -258,8 +276,13 @@ def pack_generator(generator: Any) -> Any:
     return blob(zlib.compress(generator.get_state().numpy().tobytes()))
 
 
+def _state(packed: Any) -> Any:
+    import torch
+    return torch.frombuffer(bytearray(zlib.decompress(unblob(packed))), dtype=torch.uint8)
+
+
 def restore_generator(generator: Any, packed: Any) -> None:
-    generator.set_state(blob(zlib.decompress(unblob(packed))))
+    generator.set_state(_state(packed))
 
 
 def check(sd: Any, length: int, batch_size: int | None) -> None:

@@ -144,7 +144,7 @@ class DpexDataLoader(DataLoader[_T_co]):
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
                       multiprocessing_context=multiprocessing_context, reproducible=reproducible, share=share,
-                      cache=cache)
+                      cache=cache, **({"prefetch_factor": prefetch_factor} if prefetch_factor else {}))
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,

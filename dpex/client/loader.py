@@ -23,7 +23,8 @@ from dpex.client.fetcher import EpochFetcher
 from dpex.client.lanes import Lane, Lanes
 from dpex.client.options import LoaderOptions
 from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
-from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling
+from dpex.client.paced import PacedEpoch
+from dpex.client.sampling import EpochDraw, EpochPlans, check_iterable_args, check_sampling
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
@@ -32,7 +33,7 @@ from dpex.launch.head import announce, resolve
 from dpex.errors import JOB_COLLECTED, DpexConfigError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.rpc import Outage, call, channel
+from dpex.rpc import Outage, call, channel, check_usable
 
 log = logging.getLogger("dpex.client")
 
@@ -113,6 +114,11 @@ class RemoteDataLoader:
     that dies is started again (a few times); its dispatcher's death, or
     one too many of the worker's, fails the epoch in torch's words.
     ``window`` batches are requested ahead.
+    A random sampler draws from the user's generator when torch's DataLoader
+    would: with ``num_workers`` > 0, ``prefetch_factor * num_workers`` index
+    batches at ``iter()`` (torch's prefetch), without workers at the first
+    ``next()``, then as batches are yielded; so a peek or a ``break`` leaves
+    the generator where torch leaves it (see dpex.client.paced).
     As with torch's DataLoader, each worker process seeds itself from the
     epoch's base seed plus its id, sets ``get_worker_info()`` and calls
     ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
@@ -170,8 +176,10 @@ class RemoteDataLoader:
                  connect_timeout: float = _O.connect_timeout_s, shared_memory: bool = _O.shared_memory,
                  compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
                  shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
-                 reproducible: bool = _O.reproducible, share: bool = _O.share, cache: str | None = _O.cache) -> None:
+                 reproducible: bool = _O.reproducible, share: bool = _O.share, cache: str | None = _O.cache,
+                 prefetch_factor: int = _O.prefetch_factor) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
+        check_usable()
         if dataset is None:
             raise DpexConfigError("RemoteDataLoader needs a dataset (a DatasetSpec or a Dataset)")
         run = None
@@ -190,7 +198,8 @@ class RemoteDataLoader:
             connect_timeout_s=connect_timeout, shared_memory=shared_memory, compression=compression or "",
             shuffle=shuffle, seed=seed, shard=shard, compact_plans=compact_plans, reproducible=reproducible,
             auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context),
-            share=bool(share), cache=cache)
+            share=bool(share), cache=cache,
+            prefetch_factor=prefetch_factor)
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
@@ -235,7 +244,7 @@ class RemoteDataLoader:
                 distributed=(opts.num_consumers > 1 or run is not None) and opts.shard,
                 num_consumers=opts.num_consumers, consumer_index=opts.consumer_index,
                 num_streams=max(1, opts.num_workers), compact=opts.compact_plans, unbatched=unbatched,
-                reproducible=opts.reproducible)
+                reproducible=opts.reproducible, persistent=opts.persistent_workers and opts.num_workers > 0)
             self._current: EpochState | None = None  # the epoch in progress, for state_dict()
             self._replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
             self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
@@ -272,18 +281,30 @@ class RemoteDataLoader:
         if self._instance is not None:
             self._ship_dataset()
         self._connect()
+        epoch = self._epoch_counter
+        self._epoch_counter += 1
+        if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
+            draw = self._plans.resumed(resume.base_seed, resume.sampler, resume.drawn, resume.end)
+            asked = resume.progress.count
+        else:
+            draw, asked = self._plans.begin(epoch), 0
+        # Planned and started when torch's iterator first asks its sampler (see dpex.client.paced).
+        prefetch = self._opts.prefetch_factor * self._opts.num_workers if not self._plans.iterable else 1
+        length = len(self) if not self._plans.iterable or self._plans.length >= 0 else 0
+        return PacedEpoch(lambda: self._start(epoch, draw, resume), draw, length, prefetch, asked)
+
+    def _start(self, epoch: int, draw: EpochDraw, resume: EpochState | None) -> Iterator[Any]:
+        """Submits epoch ``epoch``'s plan (``draw``'s, or ``resume``'s) and returns its fetcher."""
         # An epoch of its own, as torch's iter(): one still being read goes on, on its lane.
         lane = self._res.lanes.pick(self._open_lane, first_only=resume is not None)
         if lane.busy:
             lane.close_epoch(f"this epoch of job {lane.job_id} was left: the loader resumed from a state dict "
                              "(load_state_dict) in a new iter(), which takes its place")
-        if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
+        if resume is not None:
             base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
             plan = resume.batches or []
         else:
-            base_seed, sampler, plan, streams = self._plans.draw()
-        epoch = self._epoch_counter
-        self._epoch_counter += 1
+            base_seed, sampler, plan, streams = draw.plan()
         submit = dpb.SubmitPlanRequest(job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch,
                                        base_seed=base_seed, num_streams=streams, client_id=self._client_id)
         if sampler is not None:
@@ -325,14 +346,14 @@ class RemoteDataLoader:
             health=self._res.cluster.failure if self.embedded else None,
             no_worker_s=self._connect_timeout if self.timeout is None else None)
         self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
-                                   progress, streams, resume.reshard if resume is not None else None)
+                                   progress, streams, resume.reshard if resume is not None else None, draw=draw)
         iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
         lane.start(iterator)
         return iterator
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands, to save with a checkpoint (plain values and
-        byte tensors, for ``torch.save``): call it between batches. A loader built with the
+        """Where this loader stands, to save with a checkpoint (plain JSON-safe
+        values, for ``torch.save`` or ``json.dumps``): call it between batches. A loader built with the
         same arguments and given it by :meth:`load_state_dict` before ``iter()``
         yields the rest of the epoch, then the next epochs, as this one would
         (torch's global RNG, which a shuffle without ``generator``/``seed``
@@ -345,6 +366,7 @@ class RemoteDataLoader:
                               "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
                               "epoch": current.to_dict() if current is not None and not current.progress.ended
                               else None, "generator": None, "samplers": {},
+                              "first_seed": list(self._plans.first_seed) if self._plans.first_seed else None,
                               "replicas": [[k, checkpoint.blob(r)] for k, r in sorted(self._next_replicas().items())]}
         if self._plans.generator is not None:
             sd["generator"] = checkpoint.pack_generator(self._plans.generator)
@@ -370,6 +392,8 @@ class RemoteDataLoader:
         state_dict, self._resume = checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
                                                      self.job_name if self._opts.job_name else None)
         self._epoch_counter = state_dict["epochs_started"]
+        first = state_dict.get("first_seed")  # persistent workers: seeded at the first iter() only
+        self._plans.first_seed = (first[0], first[1]) if first else None
         self._current = None
         self._replicas = {k: checkpoint.unblob(r) for k, r in checkpoint.pairs(state_dict.get("replicas", []))}
         if self._resume is not None:

@@ -36,6 +36,7 @@ class LoaderOptions:
     pin_memory: bool = False
     pin_memory_device: str = ""          # "": the current accelerator
     num_workers: int = 1                 # streams of an IterableDataset; 0: one, as torch's main process
+    prefetch_factor: int = 2             # as torch's: index batches asked per worker at iter() (0 workers: none)
     processes: int | None = None         # an embedded cluster's worker processes; None: one per core
     connect_timeout_s: float = 30.0      # how long an unreachable dispatcher is retried
     shared_memory: bool = True
@@ -65,6 +66,7 @@ class LoaderOptions:
                "timeout must be > 0 seconds, or None to wait as long as it takes")
         _check(self.window is None or (_is_int(self.window) and self.window >= 1), "window must be >= 1")
         _check(_is_int(self.num_workers) and self.num_workers >= 0, "num_workers must be >= 0")
+        _check(_is_int(self.prefetch_factor) and self.prefetch_factor >= 1, "prefetch_factor must be >= 1")
         object.__setattr__(self, "persistent_workers", bool(self.persistent_workers))  # any truthy value, as torch
         _check(self.processes is None or (_is_int(self.processes) and self.processes >= 1),
                f"processes must be >= 1 or None (one per core), got {self.processes!r}")

@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch.utils.data as tud
 
+from dpex import seeding
 from dpex.errors import DpexConfigError
 from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
@@ -67,6 +68,9 @@ def check_iterable_args(shuffle: Any, sampler: Any, batch_sampler: Any) -> None:
                              f"but got {name}={value}")
 
 
+_END = object()
+
+
 def _as_list(indices: list[int]) -> list[int]:
     return indices
 
@@ -80,23 +84,111 @@ class Drawn(NamedTuple):
     streams: int
 
 
+class _Randomness:
+    """The states of every random generator a sampler may draw from: torch's,
+    numpy's and ``random``'s global ones and the ``generator`` of the loader
+    and its samplers; :meth:`restore` puts them back."""
+
+    def __init__(self, loader: tud.DataLoader) -> None:
+        import torch
+        owners = (loader, loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+        found = {id(g): g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)}
+        self._generators = [(g, g.get_state()) for g in found.values()]
+        self._globals = seeding.global_states()
+
+    def restore(self) -> None:
+        for g, state in self._generators:
+            g.set_state(state)
+        seeding.restore_global_states(self._globals)
+
+
+class EpochDraw:
+    """One epoch drawn from the user's generators when torch's iterator draws
+    it: the base seed at ``iter()`` (made with it), the sampler's order at the
+    first index batch asked for (:meth:`plan`), and a RandomSampler's later
+    permutations only as its index batches are asked for (:meth:`ask`), so an
+    epoch left early (a peek, a ``break``) leaves the generator where torch's
+    leaves it. Any other sampler's whole plan is drawn at once, every random
+    generator then put back, and a second iterator of the sampler (``pacer``)
+    drawn again as torch would ask it. ``drawn``: a resumed epoch's draws
+    already made; ``end``: the loader's generator's state once an explicit
+    plan's sampler ran out (a resumed explicit plan has no pacer: it sets
+    that state when it runs out)."""
+
+    def __init__(self, plans: "EpochPlans", base_seed: int, indices: Any = None, pacer: Any = None,
+                 sampler: dpb.SamplerSpec | None = None, drawn: int = 0, end: Any = None) -> None:
+        self._plans, self.base_seed, self._indices, self._pacer = plans, base_seed, indices, pacer
+        self._spec, self.drawn, self.end = sampler, drawn, end
+        self._generator: Any = None  # what a described RandomSampler draws from, as the batches are asked for
+
+    def plan(self) -> Drawn:
+        """The epoch's plan, drawn now; the consumer's j-th sample is at place
+        k + j*N (DistributedSampler's are its own positions)."""
+        plans = self._plans
+        if plans._plan is None:  # as torch: a base seed per epoch, no sampler
+            return Drawn(self.base_seed, None, [], plans._num_streams)
+        sampler = samplers.describe(plans._plan) if plans._compact else None
+        if sampler is not None:
+            sampler.place_offset, sampler.place_stride = plans.consumer_index, plans.num_consumers
+            self._spec, self._generator = sampler, getattr(plans._plan.sampler, "generator", None)
+            return Drawn(self.base_seed, sampler, [], 0)
+        before = _Randomness(plans._plan)
+        batches = [index_batch(b, plans._unbatched) for b in self._indices]
+        if plans.generator is not None:
+            self.end = plans.generator.get_state()
+        before.restore()  # the pacer draws again, as torch's iterator would ask
+        if plans._reproducible:
+            samplers.place_explicit(batches, plans.consumer_index, plans.num_consumers)
+        return Drawn(self.base_seed, None, batches, 0)
+
+    _resumed_end = False
+
+    def resume(self, generator: Any) -> None:
+        """A resumed epoch goes on drawing from ``generator`` (restored as it was saved)."""
+        if self._spec is not None and samplers.draw_calls(self._spec, 1):
+            self._generator = generator
+        self._resumed_end = self._spec is None and self.end is not None and generator is not None
+
+    def ask(self, requested: int) -> None:
+        """torch's iterator has now asked its sampler for ``requested`` index
+        batches (past the last: it ran out): the draws that takes are made."""
+        while self._pacer is not None and self.drawn < requested:
+            self.drawn += 1
+            if next(self._pacer, _END) is _END:
+                self._pacer = None
+        if self._resumed_end and requested > len(self._plans):
+            self._resumed_end = False
+            self._plans.generator.set_state(self.end)
+        if self._generator is None:
+            return
+        due = samplers.draw_calls(self._spec, requested)
+        while self.drawn < due:
+            samplers.draw_call(self._spec, self._generator, self.drawn)
+            self.drawn += 1
+
+
 class EpochPlans:
-    """Draws a loader's epochs, one per ``draw()`` as torch's ``iter()``.
+    """Draws a loader's epochs, one per :meth:`begin` as torch's ``iter()``.
 
     A map-style dataset of ``length`` samples is planned by torch's own
     samplers; with ``distributed`` and no sampler, consumer k of N plans
     DistributedSampler's k-th share. An IterableDataset has no sampler: an
     epoch is a base seed for ``num_streams`` streams. ``compact`` sends
-    torch's own samplers as descriptions (see dpex.plan.samplers)."""
+    torch's own samplers as descriptions (see dpex.plan.samplers). With
+    ``persistent`` (torch's persistent workers) the base seed is drawn at
+    the first ``iter()`` only, as torch's workers are seeded once; later
+    epochs' seeds are derived from it (keyed draws differ per epoch)."""
 
     def __init__(self, length: int, iterable: bool, *, batch_size: int | None, drop_last: bool, shuffle: Any,
                  seed: int | None, sampler: Any, batch_sampler: Any, generator: Any, distributed: bool,
                  num_consumers: int, consumer_index: int, num_streams: int, compact: bool, unbatched: bool,
-                 reproducible: bool) -> None:
+                 reproducible: bool, persistent: bool = False) -> None:
         self.length, self.iterable, self.batch_size, self.drop_last = length, iterable, batch_size, drop_last
         self.num_consumers, self.consumer_index = num_consumers, consumer_index
         self._generator, self._num_streams = generator, num_streams
         self._compact, self._unbatched, self._reproducible = compact, unbatched, reproducible
+        self._persistent = persistent
+        self.first_seed: tuple[int, int] | None = None  # persistent: (base seed, epoch) of the first iter()
         self._indices = Indices(length)
         self._plan: tud.DataLoader | None = None
         if iterable:
@@ -150,19 +242,34 @@ class EpochPlans:
             return []
         return [("sampler", self._plan.sampler), ("batch_sampler", self._plan.batch_sampler)]
 
-    def draw(self) -> Drawn:
-        """The next epoch's plan; the consumer's j-th sample is at place
-        k + j*N (DistributedSampler's are its own positions)."""
+    def begin(self, epoch: int) -> EpochDraw:
+        """Epoch ``epoch`` as torch's ``iter()`` begins it: its base seed drawn
+        (the loader's ``generator``, else torch's global RNG), its sampler not yet."""
         import torch
-        if self._plan is None:  # as torch: a base seed per epoch, no sampler
-            base_seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator).item()
-            return Drawn(base_seed, None, [], self._num_streams)
-        indices = iter(self._plan)  # torch's own iterator draws the epoch's base seed, then runs the sampler
-        sampler = samplers.describe(self._plan) if self._compact else None
-        if sampler is not None:
-            sampler.place_offset, sampler.place_stride = self.consumer_index, self.num_consumers
-            return Drawn(indices._base_seed, sampler, [], 0)
-        batches = [index_batch(b, self._unbatched) for b in indices]
-        if self._reproducible:
-            samplers.place_explicit(batches, self.consumer_index, self.num_consumers)
-        return Drawn(indices._base_seed, None, batches, 0)
+        # torch makes the sampler's iterator first (a sampler whose __iter__ draws at once draws first)
+        index_sampler = None if self._plan is None else (
+            self._plan.batch_sampler if self._plan.batch_sampler is not None else self._plan.sampler)
+        indices = pacer = None
+        if index_sampler is not None:
+            before = _Randomness(self._plan)
+            indices = iter(index_sampler)
+            if not self._compact or not samplers.describable(self._plan):
+                after = _Randomness(self._plan)
+                before.restore()  # a sampler that draws at iter() draws the same again for the pacer
+                pacer = iter(index_sampler)
+                after.restore()
+        if self._persistent and self.first_seed is not None:
+            first, at = self.first_seed
+            base_seed = first if epoch == at else seeding.for_epoch(first, epoch)
+        else:
+            generator = self._generator if self._plan is None else self._plan.generator
+            base_seed = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
+            if self._persistent:
+                self.first_seed = (base_seed, epoch)
+        return EpochDraw(self, base_seed, indices, pacer)
+
+    def resumed(self, base_seed: int, sampler: dpb.SamplerSpec | None, drawn: int, end: Any) -> EpochDraw:
+        """A saved epoch, nothing drawn again but what torch's sampler had still to draw."""
+        epoch = EpochDraw(self, base_seed, sampler=sampler, drawn=drawn, end=end)
+        epoch.resume(self.generator)
+        return epoch

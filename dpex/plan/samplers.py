@@ -55,17 +55,33 @@ def check_version(spec: Spec) -> None:
 
 
 # ---- the trainer's side ---------------------------------------------------------------------
+def describable(loader: Any) -> bool:
+    """Whether :func:`describe` describes the loader's sampler (one of torch's own, or dpex.ShuffleSampler)."""
+    import torch.utils.data as tud
+    batch_sampler, sampler = loader.batch_sampler, loader.sampler
+    if batch_sampler is not None and (type(batch_sampler) is not tud.BatchSampler
+                                      or batch_sampler.sampler is not sampler):
+        return False
+    kind = type(sampler)
+    if kind is tud.RandomSampler and sampler.generator is not None and sampler.generator.device.type != "cpu":
+        return False
+    return kind in (shuffle.ShuffleSampler, tud.SequentialSampler, tud.RandomSampler, tud.DistributedSampler)
+
+
 def describe(loader: Any) -> Spec | None:
     """The description of the epoch ``iter(loader)`` would plan next, for a
     DataLoader whose iterator was just made (its base seed drawn); None when
     its sampler is not one of torch's own (the caller then iterates it).
-    Random numbers are consumed as torch's sampler would."""
+    A RandomSampler without a generator draws its seed from torch's global
+    RNG, as torch's does at its first index; one with a generator is
+    described by its state, and drawn from as its batches are asked for
+    (:func:`draw_calls`)."""
     import torch.utils.data as tud
+    if not describable(loader):
+        return None
     batch_sampler, sampler = loader.batch_sampler, loader.sampler
     if batch_sampler is None:  # batch_size=None: each element is a batch of one (the job says unbatched)
         batch_size, drop_last = 1, False
-    elif type(batch_sampler) is not tud.BatchSampler or batch_sampler.sampler is not sampler:
-        return None
     else:
         batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
     kind = type(sampler)
@@ -74,10 +90,6 @@ def describe(loader: Any) -> Spec | None:
         return Spec(kind=Spec.SHUFFLE, algorithm=shuffle.ALGORITHM, length=sampler.length,
                     batch_size=batch_size, drop_last=drop_last, seed=sampler.epoch_seed(), num_replicas=sampler.num_replicas, rank=sampler.rank,
                     sampler_drop_last=sampler.drop_last)
-    if kind not in (tud.SequentialSampler, tud.RandomSampler, tud.DistributedSampler):
-        return None
-    if kind is tud.RandomSampler and sampler.generator is not None and sampler.generator.device.type != "cpu":
-        return None
     # The indices are positions in the sampler's own data source, which need not be the dataset.
     source = sampler.dataset if kind is tud.DistributedSampler else sampler.data_source
     spec = Spec(torch_version=torch_version(), length=len(source), batch_size=batch_size, drop_last=drop_last)
@@ -90,8 +102,8 @@ def describe(loader: Any) -> Spec | None:
         if sampler.generator is None:  # as RandomSampler.__iter__: a seed from the global RNG
             spec.seed = int(torch.empty((), dtype=torch.int64).random_().item())
         else:
+            # The user's generator is drawn from later, as torch's iterator draws (see draw_calls).
             spec.generator_state = zlib.compress(sampler.generator.get_state().numpy().tobytes())
-            _advance(spec, sampler.generator)  # leaves the user's generator where torch would
     elif kind is tud.DistributedSampler:
         spec.kind = Spec.DISTRIBUTED
         spec.seed, spec.shuffle = sampler.seed + sampler.epoch, sampler.shuffle
@@ -254,13 +266,29 @@ def _draw(spec: Spec, generator: Any) -> Any:
     return torch.cat(perms)[:total] if len(perms) > 1 else perms[0][:total]
 
 
-def _advance(spec: Spec, generator: Any) -> None:
-    """Leaves ``generator`` where RandomSampler's iter() leaves it: after its
-    order, and after one more permutation when ``n`` divides ``num_samples``
-    (torch draws it and keeps none of it)."""
-    _draw(spec, generator)
-    if not spec.replacement and spec.num_samples % spec.length == 0:
-        import torch
+def draw_calls(spec: Spec, requested: int) -> int:
+    """How many times a RandomSampler of ``spec`` (with a generator of its
+    own) has drawn from it once its BatchSampler was asked for ``requested``
+    index batches: torch draws each permutation (or chunk of 32 with
+    replacement) when its first index is needed, and one more (partial, or
+    empty and still drawn) when the sampler runs out."""
+    if spec.kind != Spec.RANDOM or not spec.generator_state or requested <= 0:
+        return 0
+    total = spec.num_samples
+    chunk = 32 if spec.replacement else max(1, spec.length)
+    if requested * spec.batch_size > total:  # asked past its end: the sampler ran out
+        return total // chunk + 1
+    return -(-requested * spec.batch_size // chunk)
+
+
+def draw_call(spec: Spec, generator: Any, k: int) -> None:
+    """Makes RandomSampler's draw number ``k`` (from 0) on ``generator``, as torch makes it."""
+    import torch
+    total = spec.num_samples
+    if spec.replacement:
+        size = 32 if k < total // 32 else total % 32
+        torch.randint(high=spec.length, size=(size,), dtype=torch.int64, generator=generator)
+    else:
         torch.randperm(spec.length, generator=generator)
 
 

@@ -179,3 +179,39 @@ def test_an_iterable_dataset_on_a_forked_worker_of_a_trainer_that_ran_a_forkserv
     """)
     assert got["got"] == got["want"] and len(got["want"]) == 6  # torch's workers are the oracle for the draws
     assert got["kinds"]["forked"] == 3  # the worker and its batch processes; its forkserver is spawned
+
+
+def test_a_forked_child_of_a_process_that_used_dpex_fails_at_once_and_a_spawned_one_works(tmp_path):
+    """Issue 55 (torch's test_segfault's case): gRPC hangs in a child forked from a process where it
+    runs; the child's loader says so at once, and one in a spawned child loads as in a fresh process."""
+    script = tmp_path / "script.py"  # a file: spawn's child imports the script again (under a main guard)
+    script.write_text(PRELUDE + textwrap.dedent("""
+        import multiprocessing, time
+
+        def child(q):
+            try:
+                loader = dpex.DpexDataLoader(list(range(8)), distribute_mode=True, batch_size=4)
+                q.put([b.tolist() for b in loader])
+            except dpex.DpexError as e:
+                q.put(str(e))
+
+        if __name__ == "__main__":
+            parent = dpex.DpexDataLoader(list(range(8)), distribute_mode=True, batch_size=4)
+            assert [b.tolist() for b in parent] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            got = {}
+            for method in ("fork", "spawn"):
+                q = multiprocessing.get_context(method).Queue()
+                p = multiprocessing.get_context(method).Process(target=child, args=(q,))
+                start = time.monotonic()
+                p.start()
+                got[method] = q.get(timeout=120)
+                p.join(60)
+                got[method + "_s"] = time.monotonic() - start
+            print(json.dumps(got))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "forked from one where Dpex had run" in out["fork"] and "'spawn'" in out["fork"]
+    assert out["fork_s"] < 10
+    assert out["spawn"] == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -191,8 +191,12 @@ def test_the_trainers_rng_is_drawn_as_torchs_dataloader_draws_it(many):
 def test_user_code_reads_the_samples_seed(many):
     """dpex.sample_seed() / sample_generator() for code with generators of its own: keyed alike."""
     spec = dpex.DatasetSpec("dpex.testing.datasets:OwnGenerator", n=24)
-    one_batch = [plain(b) for b in dpex.RemoteDataLoader(many.address, spec, batch_size=24, timeout=60)]
-    many_batches = [plain(b) for b in dpex.RemoteDataLoader(many.address, spec, batch_size=3, timeout=60)]
+
+    def run(batch_size):  # a loader iterated and dropped: its epoch keeps it alive, as torch's iterator does
+        torch.manual_seed(0)
+        return [plain(b) for b in dpex.RemoteDataLoader(many.address, spec, batch_size=batch_size, timeout=60)]
+    one_batch, many_batches = run(24), run(3)
+    assert len(one_batch) == 1 and len(many_batches) == 8
     assert by_index(one_batch) == by_index(many_batches)
     assert all(seed is not None for batch in one_batch for seed in batch["seed"])
     assert dpex.sample_seed() is None and dpex.sample_generator() is None  # in the trainer

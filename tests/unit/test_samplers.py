@@ -31,6 +31,8 @@ def _epochs(make, seed, epochs, compact):
             assert len(spec.SerializeToString()) < (4000 if spec.generator_state else 100)
             batches = samplers.batches(spec, 0, samplers.num_batches(spec))
             assert samplers.num_batches(spec) == len(loader)
+            for k in range(samplers.draw_calls(spec, len(loader) + 1)):  # the loop ran the sampler out
+                samplers.draw_call(spec, loader.sampler.generator, k)
         else:
             batches = [list(b) for b in it]
         out.append((it._base_seed, batches, torch.get_rng_state(),
@@ -81,6 +83,32 @@ def test_a_description_expands_to_torchs_batches_and_rng_states(case):
         assert batches_a == batches_b
         assert seed_a == seed_b and torch.equal(rng_a, rng_b)
         assert (gen_a is None) == (gen_b is None) and (gen_a is None or torch.equal(gen_a, gen_b))
+
+
+@pytest.mark.parametrize("length,num_samples,replacement,batch_size,drop_last", [
+    (20, None, False, 4, False), (20, None, False, 3, False), (20, None, False, 3, True), (20, 50, False, 6, False),
+    (20, 40, False, 5, True), (20, 7, False, 2, False), (100, 70, True, 8, False), (10, 64, True, 16, True),
+    (13, None, False, 1, False)])
+def test_draw_calls_leave_the_generator_where_torchs_iterator_does_after_each_ask(length, num_samples, replacement,
+                                                                                  batch_size, drop_last):
+    """After the sampler was asked for r index batches (r past the end: run out), the user's generator
+    is where torch's BatchSampler over RandomSampler leaves it (issue 55: a peek, a break)."""
+    theirs = torch.Generator().manual_seed(11)
+    sampler = tud.RandomSampler(Indices(length), replacement=replacement, num_samples=num_samples, generator=theirs)
+    loader = _loader(length, batch_size=batch_size, drop_last=drop_last, sampler=sampler)
+    start = theirs.get_state()
+    spec = samplers.describe(loader)
+    assert torch.equal(theirs.get_state(), start)  # describing draws nothing from the user's generator
+    for asked in range(len(loader) + 3):
+        theirs.set_state(start)
+        it = iter(loader.batch_sampler)
+        for _ in range(asked):
+            next(it, None)
+        ours = torch.Generator()
+        ours.set_state(start)
+        for k in range(samplers.draw_calls(spec, asked)):
+            samplers.draw_call(spec, ours, k)
+        assert torch.equal(ours.get_state(), theirs.get_state()), asked
 
 
 def test_any_run_of_batches_is_the_same_as_in_the_whole():
