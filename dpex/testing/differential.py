@@ -1,0 +1,344 @@
+"""A differential tester with torch's DataLoader as the oracle (issue 55).
+
+Random programs of what users do with a loader (``iter``, ``next``, a
+``break``, a peek, ``zip(loader, loader)``, ``set_epoch``, a checkpoint
+through ``state_dict``/``load_state_dict`` into a new loader, through JSON
+or not) over random configurations (map-style or iterable, ``shuffle``, the
+user's generator or torch's global RNG, ``drop_last``, ``batch_size``
+including None, samplers and batch samplers, ``num_workers`` 0-3,
+``persistent_workers``, ``in_order``, ``collate_fn``, ``cache``, ``share``)
+run through ``torch.utils.data.DataLoader`` and ``DpexDataLoader`` side by
+side, as a hypothesis state machine: every output, every exception and
+every random generator's state after each step must be torch's. A failing
+program is shrunk by hypothesis; keep it as a regression test.
+
+A checkpoint has no counterpart in torch's DataLoader: there, the oracle is
+the loader that was not interrupted (torch's goes on as it was).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              SubsetRandomSampler, get_worker_info)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import dpex.testing
+
+SLOTS = 3  # iterators a program holds at once
+
+
+class Squares(Dataset):
+    """Item i: its index and a tensor of it and its square."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return {"i": i, "t": torch.tensor([i, i * i])}
+
+
+class Shards(IterableDataset):
+    """Shards itself by get_worker_info(), as torch's docs teach."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        k, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(k, self.n, workers))
+
+
+def as_tuple(batch: list) -> tuple:
+    """A collate_fn of the user's."""
+    return tuple(batch)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One loader's arguments, as a user may write them."""
+    iterable: bool
+    length: int
+    batch_size: int | None
+    drop_last: bool
+    shuffle: bool
+    rng: str            # "generator": the user's torch.Generator; "global": torch's global RNG
+    sampler: str        # "none", "subset", "list", "batch_sampler", "list_batches"
+    num_workers: int
+    persistent: bool
+    in_order: bool
+    collate: bool       # a collate_fn of the user's
+    cache: bool         # cache="memory"
+    share: bool
+
+    def loader_args(self, generator: Any) -> dict[str, Any]:
+        """The arguments both loaders are built with (the same objects' equals)."""
+        args: dict[str, Any] = dict(num_workers=self.num_workers, persistent_workers=self.persistent,
+                                    in_order=self.in_order, collate_fn=as_tuple if self.collate else None)
+        if self.iterable:
+            return dict(args, batch_size=self.batch_size, drop_last=self.drop_last)
+        gen = generator if self.rng == "generator" else None
+        if self.sampler == "batch_sampler":
+            return dict(args, batch_size=1, batch_sampler=BatchSampler(
+                RandomSampler(range(self.length), generator=gen), batch_size=3, drop_last=self.drop_last))
+        if self.sampler == "list_batches":
+            return dict(args, batch_size=1, batch_sampler=[[i, (i * 7) % self.length] for i in range(self.length)])
+        sampler = {"none": None, "subset": SubsetRandomSampler(list(range(0, self.length, 2)), generator=gen),
+                   "list": list(reversed(range(self.length)))}[self.sampler]
+        return dict(args, batch_size=self.batch_size, drop_last=self.drop_last,
+                    shuffle=self.shuffle if sampler is None else None, sampler=sampler, generator=gen)
+
+    def dataset(self) -> Any:
+        return Shards(self.length) if self.iterable else Squares(self.length)
+
+
+@st.composite
+def configs(draw: Any) -> Config:
+    iterable = draw(st.booleans())
+    num_workers = draw(st.integers(0, 3))
+    sampler = "none" if iterable else draw(st.sampled_from(["none", "none", "subset", "list", "batch_sampler",
+                                                            "list_batches"]))
+    batch_size = draw(st.sampled_from([None, 1, 3, 4]))
+    return Config(iterable=iterable, length=draw(st.integers(1, 23)),
+                  batch_size=batch_size, drop_last=batch_size is not None and draw(st.booleans()),
+                  shuffle=not iterable and draw(st.booleans()), rng=draw(st.sampled_from(["generator", "global"])),
+                  sampler=sampler, num_workers=num_workers,
+                  persistent=num_workers > 0 and draw(st.booleans()),
+                  # out of order, torch's workers race: one worker's order is the only one to compare
+                  in_order=num_workers > 1 or draw(st.booleans()),
+                  collate=draw(st.booleans()), cache=not iterable and draw(st.booleans()),
+                  share=draw(st.booleans()))
+
+
+def plain(value: Any) -> Any:
+    """A batch as comparable values: tensors by dtype and content."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [plain(v) for v in value])
+    return value
+
+
+def outcome(fn: Any) -> Any:
+    """What a step gives: its value, or its exception's type (StopIteration included)."""
+    try:
+        return ("ok", plain(fn()))
+    except StopIteration:
+        return ("stop",)
+    except Exception as e:  # noqa: BLE001 - compared with torch's
+        return ("raised", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+
+class Side:
+    """One loader (torch's or Dpex's), its generator and the iterators a program holds."""
+
+    def __init__(self, config: Config, make: Any, seed: int) -> None:
+        self.config, self.make = config, make
+        self.generator = torch.Generator().manual_seed(seed)
+        self.loader = make(config.dataset(), **config.loader_args(self.generator))
+        self.iterators: dict[int, Any] = {}
+
+    def rng(self) -> tuple[Any, Any]:
+        """The user's generator's state and torch's global RNG's."""
+        return self.generator.get_state(), torch.get_rng_state()
+
+    def close(self) -> None:
+        self.iterators.clear()
+        if hasattr(self.loader, "close"):
+            self.loader.close()
+
+
+def torch_loader(dataset: Any, **kwargs: Any) -> DataLoader:
+    from dpex.testing import oracle_context
+    if kwargs["num_workers"] > 0:
+        kwargs["multiprocessing_context"] = oracle_context()
+    return DataLoader(dataset, **kwargs)
+
+
+def dpex_loader(address: str, config: Config) -> Any:
+    from dpex import DpexDataLoader
+
+    def make(dataset: Any, **kwargs: Any) -> Any:
+        return DpexDataLoader(dataset, distribute_mode=True, head_address=address, timeout=60,
+                              cache="memory" if config.cache else None, share=config.share, **kwargs)
+    return make
+
+
+class Programs(RuleBasedStateMachine):
+    """Programs run through torch's DataLoader and Dpex's side by side; set
+    ``address`` (a dispatcher's) on the class before running it."""
+    address: str = ""
+    programs = steps = 0  # run so far, for a long run's tally
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sides: tuple[Side, Side] | None = None
+        self.given = {k: 0 for k in range(SLOTS)}  # batches each slot's iterator gave (Dpex's)
+        # The latest epoch was left early (a peek, a break, zip's second): a state dict then holds it, to
+        # resume (as torchdata's), where torch's next iter() begins anew. No checkpoint till the next epoch.
+        self.left, self.latest = False, -1
+
+    @initialize(config=configs(), seed=st.integers(0, 2**31))
+    def build(self, config: Config, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.config, self.seed = config, seed
+        Programs.programs += 1
+        sides, errors = [], []
+        for make in (torch_loader, dpex_loader(self.address, config)):
+            try:
+                sides.append(Side(config, make, seed))
+            except Exception as e:  # noqa: BLE001 - an argument error: compared with torch's
+                errors.append(type(e).__name__)
+        assert errors in ([], ["ValueError"] * 2, ["TypeError"] * 2), f"construction: {errors}"
+        if not errors:
+            self.sides = (sides[0], sides[1])
+
+    def both(self, step: Any) -> None:
+        """Runs ``step(side)`` on torch's side, then Dpex's, each from the same global RNG state; their
+        outcomes and every generator's state after must be equal."""
+        Programs.steps += 1
+        before = torch.get_rng_state()
+        results = []
+        for side in self.sides:
+            torch.set_rng_state(before)
+            results.append((outcome(lambda: step(side)), side.rng()))
+        (theirs, their_rng), (ours, our_rng) = results
+        if theirs[0] == "raised":  # the same type (Dpex's messages say more: the worker, the sample)
+            theirs, ours = theirs[:2], ours[:2]
+        assert ours == theirs, f"torch gave {results[0][0]}, Dpex {results[1][0]}"
+        assert our_rng[0].equal(their_rng[0]), "the user's generator is not where torch's is"
+        assert our_rng[1].equal(their_rng[1]), "torch's global RNG is not where torch's DataLoader leaves it"
+        torch.set_rng_state(their_rng[1])
+
+    def one_iterator(self) -> None:
+        """torch's persistent workers make every iter() the same iterator, reset: a program holds one."""
+        if self.config.persistent:
+            for side in self.sides:
+                side.iterators.clear()
+
+    @precondition(lambda self: self.sides is not None)
+    @rule(slot=st.integers(0, SLOTS - 1))
+    def iterate(self, slot: int) -> None:
+        self.one_iterator()
+        self.given[slot], self.latest = 0, slot
+        self.both(lambda side: side.iterators.__setitem__(slot, iter(side.loader)))
+
+    @precondition(lambda self: self.sides is not None and bool(self.sides[0].iterators))
+    @rule(data=st.data())
+    def next_(self, data: Any) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.sides[0].iterators)))
+        self.given[slot] += 1
+        self.left = self.left and slot != self.latest
+        self.both(lambda side: next(side.iterators[slot]))
+
+    @precondition(lambda self: self.sides is not None and bool(self.sides[0].iterators))
+    @rule(data=st.data())
+    def finish(self, data: Any) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.sides[0].iterators)))
+        self.both(lambda side: list(side.iterators.pop(slot)))
+
+    @precondition(lambda self: self.sides is not None and bool(self.sides[0].iterators))
+    @rule(data=st.data())
+    def break_(self, data: Any) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.sides[0].iterators)))
+        self.left = True
+        self.both(lambda side: side.iterators.pop(slot) is None or None)
+
+    @precondition(lambda self: self.sides is not None)
+    @rule()
+    def length(self) -> None:
+        self.both(lambda side: len(side.loader))
+
+    @precondition(lambda self: self.sides is not None)
+    @rule()
+    def peek(self) -> None:
+        self.one_iterator()
+        self.left = True
+        self.both(lambda side: next(iter(side.loader)))
+
+    @precondition(lambda self: self.sides is not None and not self.config.persistent)
+    @rule()
+    def zip_(self) -> None:  # torch's persistent workers make both iter() one iterator: not a user's program
+        self.left = True
+        self.both(lambda side: list(zip(side.loader, side.loader)))
+
+    @precondition(lambda self: self.sides is not None)
+    @rule(epoch=st.integers(0, 5))
+    def set_epoch(self, epoch: int) -> None:
+        self.both(lambda side: [s.set_epoch(epoch) for s in (side.loader.sampler, side.loader.batch_sampler)
+                                if hasattr(s, "set_epoch")] and None)
+
+    # A generator inside the user's batch_sampler is not the loader's: no state dict can know it.
+    @precondition(lambda self: self.sides is not None and not self.config.iterable
+                  and self.config.sampler != "batch_sampler" and not self.left and len(self.sides[1].iterators) <= 1 and all(self.given[k] > 0 for k in self.sides[1].iterators))
+    @rule(through_json=st.booleans())
+    def checkpoint(self, through_json: bool) -> None:
+        """Dpex's loader is saved and a new one resumes from it; torch's goes on as it was."""
+        ours = self.sides[1]
+        state = ours.loader.state_dict()
+        if through_json:
+            state = json.loads(json.dumps(state))
+        slots = list(ours.iterators)
+        ours.close()
+        resumed = Side(self.config, ours.make, self.seed)  # the loader's generator, if any, is set from the state
+        resumed.loader.load_state_dict(state)
+        for slot in slots:
+            resumed.iterators[slot] = iter(resumed.loader)
+        self.sides = (self.sides[0], resumed)
+
+    @invariant()
+    def same_generator(self) -> None:
+        if self.sides is not None:
+            assert self.sides[0].generator.get_state().equal(self.sides[1].generator.get_state())
+
+    def teardown(self) -> None:
+        for side in self.sides or ():
+            side.close()
+
+
+
+def run(address: str, programs: int, steps: int = 8, derandomize: bool = True) -> None:
+    """Runs ``programs`` random programs of up to ``steps`` steps against the
+    dispatcher at ``address``; raises with the shrunk counterexample on the
+    first difference from torch. ``derandomize``: hypothesis's fixed programs."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+    Programs.address = address
+    run_state_machine_as_test(Programs, settings=settings(
+        max_examples=programs, stateful_step_count=steps, deadline=None, database=None,
+        derandomize=derandomize, suppress_health_check=list(HealthCheck), print_blob=True))
+
+
+class Slot:
+    """Stands in for hypothesis's ``data`` in a program written out by hand: draws ``slot``."""
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+    def draw(self, strategy: Any) -> int:
+        return self.slot
+
+
+def replay(address: str, config: Config, seed: int, steps: list[tuple[str, dict]]) -> None:
+    """Runs one program written out (a shrunk counterexample, kept as a regression test)."""
+    Programs.address = address
+    machine = Programs()
+    try:
+        machine.build(config=config, seed=seed)
+        for name, kwargs in steps:
+            getattr(machine, name)(**kwargs)
+            machine.same_generator()
+    finally:
+        machine.teardown()
