@@ -65,11 +65,18 @@ def code_fields(spec: DatasetSpec, collate_fn: Callable | None, worker_init_fn: 
                 bundled=True)
 
 
+def content(code: tuple[DatasetSpec, Callable | None, Callable | None]) -> bytes:
+    """What the job's code is, the same in every process (JobDef.content): a rerun under the job's
+    name, or a sweep's trial, is the same definition though its pickle differs."""
+    return callables.digest(code)
+
+
 def definition(job: dpb.JobDef) -> bytes:
     """The job's settings without its pickled code: the same bytes in every rank."""
     bare = dpb.JobDef()
     bare.CopyFrom(job)
-    bare.ClearField("dataset"), bare.ClearField("collate"), bare.ClearField("worker_init_fn")
+    for name in ("dataset", "collate", "worker_init_fn", "content"):
+        bare.ClearField(name)
     return bare.SerializeToString(deterministic=True)
 
 
@@ -78,6 +85,7 @@ def job_def(opts: LoaderOptions, code: tuple[DatasetSpec, Callable | None, Calla
     """The job a loader of ``opts`` asks for; ``code`` is (spec, collate_fn, worker_init_fn)."""
     job = dpb.JobDef(name=opts.job_name or "", num_consumers=opts.num_consumers,
                      persistent_workers=opts.persistent_workers, **code_fields(*code, bundled=bundled),
+                     content=content(code),
                      batch_size=opts.batch_size or 0, drop_last=opts.drop_last, compression=opts.compression,
                      unbatched=unbatched, process_seeds=not opts.reproducible, main_process=opts.num_workers == 0,
                      out_of_order=not opts.ordered, no_share=not opts.share, sample_cache=opts.cache or "")

@@ -461,6 +461,7 @@ class RemoteDataLoader:
             return
         for name, value in fields.items():
             setattr(job, name, value)
+        job.content = jobs.content(self._code)
         self._dataset = inspect.in_trainer(self._instance)
         self._plans.resize(self._dataset.length)
         if self.job_id is None:  # not made yet: _connect() makes it of this definition

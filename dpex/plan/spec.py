@@ -58,20 +58,21 @@ def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> I
 
 # JobDef fields that do not change what a batch holds: who asks, and how batches pass busy processes.
 _NOT_CONTENT = ("name", "num_consumers", "out_of_order", "sample_cache")
+_PICKLED = ("dataset", "collate", "worker_init_fn")  # per process: JobDef.content says what they are
 
 
 def share_digest(job: dpb.JobDef) -> bytes | None:
     """The digest jobs of one definition share, whose batches are then the
     same for the same epoch, base seed and samples (their draws are keyed by
-    place, dpex.seeding): the dataset, collate_fn and worker_init_fn as
-    pickled, and every setting but the name, the number of consumers and
+    place, dpex.seeding): what the dataset, collate_fn and worker_init_fn
+    are (JobDef.content; from older clients, their pickles), and every setting but the name, the number of consumers and
     in_order. None: the job shares nothing (``share=False``, or draws that
     follow the process that makes a batch, ``reproducible=False``)."""
     if job.no_share or job.process_seeds:
         return None
     content = dpb.JobDef()
     content.CopyFrom(job)
-    for name in _NOT_CONTENT:
+    for name in _NOT_CONTENT + (_PICKLED if job.content else ()):  # what the code is, not its pickle
         content.ClearField(name)
     return hashlib.sha256(b"dpex-share-1" + content.SerializeToString(deterministic=True)).digest()[:16]
 

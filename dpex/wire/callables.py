@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-__all__ = ["dumps", "loads"]
+__all__ = ["digest", "dumps", "loads"]
 
 loads = pickle.loads
 
@@ -47,6 +47,44 @@ class _Pickler(cloudpickle.Pickler):
             self._copies[id(copy)] = copy
             return _with_filename, (copy, obj.co_filename)
         return super().reducer_override(obj)
+
+
+def digest(obj: Any) -> bytes:
+    """What ``obj`` is, not how this process pickles it: equal for equal
+    content in any process. A pickle differs per process where a tensor's
+    storage is named by its key, a class pickled by value carries
+    cloudpickle's per-process tracker id, and a set's order follows the hash
+    seed; here a tensor is its dtype, shape, strides and bytes' sha256, a
+    class has no tracker id and a set is sorted."""
+    import hashlib
+    out = io.BytesIO()
+    _ContentPickler(out).dump(obj)
+    return hashlib.sha256(b"dpex-content-1" + out.getvalue()).digest()[:16]
+
+
+def _tensor_id(obj: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    import hashlib
+    data = obj.detach().cpu().contiguous()
+    raw = data.reshape(-1).view(torch.uint8)
+    return ("tensor", str(obj.dtype), tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(),
+            hashlib.sha256(raw.numpy().tobytes()).hexdigest())
+
+
+class _ContentPickler(_Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, _tensor_id)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (set, frozenset)):
+            return type(obj), (sorted(obj, key=repr),)
+        reduced = super().reducer_override(obj)
+        tracker = cloudpickle.cloudpickle._DYNAMIC_CLASS_TRACKER_BY_CLASS.get(obj) if isinstance(obj, type) else None
+        if tracker is not None and isinstance(reduced, tuple) and len(reduced) > 1:
+            reduced = (reduced[0], tuple("" if a == tracker else a for a in reduced[1]), *reduced[2:])
+        return reduced
 
 
 def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:

@@ -138,10 +138,12 @@ def load_job(job_id: int, job_path: str) -> _Job:
 
 
 def _sample_digest(job: Any) -> bytes:
-    """Equal for jobs whose samples are equal: the same dataset and worker_init_fn as pickled."""
+    """Equal for jobs whose samples are equal: the same dataset and worker_init_fn (what they are,
+    JobDef.content; from older clients, as pickled)."""
     import hashlib
     h = hashlib.sha256(b"dpex-samples-1")
-    for part in (job.dataset, job.worker_init_fn, b"%d%d" % (job.bundled, job.main_process)):
+    code = (job.content,) if job.content else (job.dataset, job.worker_init_fn)
+    for part in (*code, b"%d%d" % (job.bundled, job.main_process)):
         h.update(hashlib.sha256(part).digest())
     return h.digest()[:16]
 
