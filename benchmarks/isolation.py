@@ -1,12 +1,14 @@
 """Isolation of jobs on a shared worker: job B's rate alone, and beside
 another job A on the same worker whose trainer (1) left an epoch after 3
 batches (a ``break``), (2) holds an epoch it does not read (paused), (3)
-reads 2 batches/s (a slow consumer, in a process of its own); rounds
+reads 2 batches/s (a slow consumer, in a process of its own), (4) the same
+with shuffle and a seed of its own (a sweep's slow trial: the same
+definition, so the worker's sharing sees both, but other batches); rounds
 alternate in one run.
 
-    .venv/bin/python benchmarks/isolation.py [--rounds 3] [--processes 2]
+    .venv/bin/python benchmarks/isolation.py [--rounds 3] [--processes 2] [--size 32]
 
-Each sample waits ``--wait-ms`` (I/O) and is a small uint8 image, so the
+Each sample waits ``--wait-ms`` (I/O) and is a uint8 image of ``--size``, so the
 worker's processes, not the box's cores, are the limit. Prints B's images/s
 in each setting, and the ratio to B alone (the target is >= 0.9).
 """
@@ -38,25 +40,30 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--wait-ms", type=float, default=1.0)
+    p.add_argument("--size", type=int, default=32, help="image side, pixels")
     args = p.parse_args()
-    spec = dpex.DatasetSpec("benchmarks.pipeline:IOBound", args.samples, args.wait_ms / 1000)
+    spec = dpex.DatasetSpec("benchmarks.pipeline:IOBound", args.samples, args.wait_ms / 1000, args.size)
     B = args.batch_size
-    rates: dict[str, list[float]] = {"alone": [], "left epoch": [], "paused": [], "slow consumer": []}
+    rates: dict[str, list[float]] = {"alone": [], "left epoch": [], "paused": [], "slow consumer": [],
+                                     "slow sibling": []}
     with dpex.LocalCluster(num_workers=1, processes=args.processes) as cluster:
         def loader(name: str) -> dpex.RemoteDataLoader:
-            return dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, job_name=name, timeout=300)
+            return dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, job_name=name, timeout=300,
+                                         shuffle=True, seed=1)
 
         job_b = loader("B")
         rate(job_b)  # warm-up: processes and dataset built
-        slow_script = textwrap.dedent(f"""
-            import sys, time, dpex
-            loader = dpex.RemoteDataLoader({cluster.address!r}, dpex.DatasetSpec("benchmarks.pipeline:IOBound",
-                                           {args.samples}, {args.wait_ms / 1000}), batch_size={B}, job_name="slow")
-            print("ready", flush=True)
-            while True:
-                for batch in loader:
-                    time.sleep(0.5)
-        """)
+        def slow_script(name: str, seed: int | None) -> str:
+            return textwrap.dedent(f"""
+                import sys, time, dpex
+                loader = dpex.RemoteDataLoader({cluster.address!r}, dpex.DatasetSpec("benchmarks.pipeline:IOBound",
+                                               {args.samples}, {args.wait_ms / 1000}, {args.size}), batch_size={B},
+                                               job_name={name!r}, shuffle={seed is not None}, seed={seed})
+                print("ready", flush=True)
+                while True:
+                    for batch in loader:
+                        time.sleep(0.5)
+            """)
         for r in range(args.rounds):
             rates["alone"].append(rate(job_b))
 
@@ -72,15 +79,17 @@ def main() -> None:
                 rates["paused"].append(rate(job_b))
                 del held
 
-            slow = subprocess.Popen([sys.executable, "-c", slow_script], stdout=subprocess.PIPE, text=True,
-                                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            try:
-                slow.stdout.readline()
-                time.sleep(1.0)  # let it fill what it may hold
-                rates["slow consumer"].append(rate(job_b))
-            finally:
-                slow.kill()
-                slow.wait()
+            for setting, seed in (("slow consumer", None), ("slow sibling", 2)):
+                slow = subprocess.Popen([sys.executable, "-c", slow_script(f"{setting}-{r}", seed)],
+                                        stdout=subprocess.PIPE, text=True,
+                                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                try:
+                    slow.stdout.readline()
+                    time.sleep(1.0)  # let it fill what it may hold
+                    rates[setting].append(rate(job_b))
+                finally:
+                    slow.kill()
+                    slow.wait()
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()) + " img/s",
                   flush=True)
         job_b.close()

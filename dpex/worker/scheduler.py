@@ -315,8 +315,12 @@ class Scheduler:
             self._following.add(key)
             return _or_else(followed, make, key)
         self.shared.lead(ck)
+        # Kept only for the jobs that may ask for it: of this definition, reading this epoch of this base
+        # seed (a sweep's trial of another seed never does: its batches are others, issue 55).
+        mine = runner.split
         wanted = {r.split.job_id for r in self._held if not r.split.num_streams
-                  and r.split.job_id != key.job_id and self._share_digest(r.split.job_id) == digest}
+                  and r.split.job_id != key.job_id and r.split.epoch == mine.epoch
+                  and r.split.base_seed == mine.base_seed and self._share_digest(r.split.job_id) == digest}
         made = make()
         made.add_done_callback(lambda f: self.shared.made(ck, f.result(), wanted))
         return made
