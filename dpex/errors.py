@@ -162,3 +162,17 @@ def rebuild(error, batch: str = "") -> DpexWorkerError:
         return DpexWorkerError(text, **facts)
     _set_facts(e, **facts)
     return e
+
+
+_PACKAGE = __file__.rsplit("/", 1)[0] + "/"
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn, attributed to the user's line: the first frame outside Dpex's package (a warning
+    raised inside DpexDataLoader(...) points at the script that called it, as torch's do)."""
+    import sys
+    import warnings
+    frame, level = sys._getframe(1), 2  # 2: the caller of warn()
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -7,7 +7,6 @@ RemoteDataLoader and keeps torch's semantics for everything else.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -16,7 +15,7 @@ from dpex.client.loader import RemoteDataLoader, _rebuild
 from dpex.client.sampling import Indices
 from dpex.dataset import DatasetSpec
 from dpex.client.stats import LoaderStats
-from dpex.errors import DpexTimeoutError
+from dpex.errors import DpexTimeoutError, warn
 
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -50,7 +49,7 @@ class _Epoch:
                              "the IterableDataset replica at each worker. Please see "
                              "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                              "for examples.")
-            warnings.warn(warn_msg, stacklevel=2)
+            warn(warn_msg)
         return batch
 
     def __len__(self) -> int:
@@ -188,7 +187,7 @@ class DpexDataLoader(DataLoader[_T_co]):
         DataLoader: the one moment to tell the user, unless dpex.accelerate
         prepares it (and keeps Dpex making the batches)."""
         if not self.__dict__.get("_prepared_by_dpex"):
-            warnings.warn(ACCELERATE_REBUILDS, stacklevel=2)
+            warn(ACCELERATE_REBUILDS)
         return self.__dict__.get("_accelerate_prepared", False)
 
     @_is_accelerate_prepared.setter

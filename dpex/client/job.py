@@ -7,14 +7,13 @@ import hashlib
 import logging
 import secrets
 import time
-import warnings
 from typing import Any, Callable
 
 from dpex.client.distributed import Run, shared_job_name
 from dpex.client.options import LoaderOptions
 from dpex.config import CLAIM_HELD_S
 from dpex.dataset import DatasetSpec
-from dpex.errors import CONSUMER_IN_USE, DpexConfigError, DpexConflictError, DpexNotFoundError
+from dpex.errors import CONSUMER_IN_USE, DpexConfigError, DpexConflictError, DpexNotFoundError, warn
 from dpex.plan.spec import chunks
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.rpc import call
@@ -90,10 +89,9 @@ def job_def(opts: LoaderOptions, code: tuple[DatasetSpec, Callable | None, Calla
                      unbatched=unbatched, process_seeds=not opts.reproducible, main_process=opts.num_workers == 0,
                      out_of_order=not opts.ordered, no_share=not opts.share, sample_cache=opts.cache or "")
     if bundled and len(job.dataset) > LARGE_DATASET_BYTES:
-        warnings.warn(
-            f"the dataset instance is shipped to every worker by value and pickles to "
-            f"{len(job.dataset) / 2**20:.1f} MB; use dpex.DatasetSpec('package.module:Class', ...) "
-            "so that workers build it from their own local files", stacklevel=3)
+        warn(f"the dataset instance pickles to {len(job.dataset) / 2**20:.1f} MB and goes to every worker by "
+             "value; if it reads files, dpex.DatasetSpec('package.module:Class', ...) builds it on the workers "
+             "from their own local copy instead")
     return job
 
 
@@ -103,9 +101,8 @@ def name_shared(job: dpb.JobDef, run: Run | None) -> bool:
     if job.name or job.num_consumers <= 1:
         return False
     if run is None:
-        warnings.warn(
-            f"num_consumers={job.num_consumers} without job_name and outside torch.distributed: this "
-            "loader makes a job of its own; give every consumer the same job_name to share one", stacklevel=3)
+        warn(f"num_consumers={job.num_consumers} without job_name and outside torch.distributed: this "
+             "loader makes a job of its own; give every consumer the same job_name to share one")
         return False
     job.name = shared_job_name(run, definition(job))
     log.info("rank %d of %d: job %r, shared by the ranks of this run", run.rank, run.world_size, job.name)

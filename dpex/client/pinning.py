@@ -20,14 +20,13 @@ import queue
 import socket
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, NamedTuple
 
 from dpex.client.stats import StatsMeter
 from dpex.client.buffers import read_exactly
 from dpex.client.fetcher import BatchFailed
-from dpex.errors import DpexCancelledError
+from dpex.errors import DpexCancelledError, warn
 from dpex.wire.codec import ALIGN
 from dpex.wire.frame import payload_offset
 
@@ -42,8 +41,8 @@ def pin_target(pin_memory_device: str = "") -> PinTarget | None:
     accelerator; like torch, a warning and None without an accelerator."""
     import torch
     if not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                      "then device pinned memory won't be used.", stacklevel=3)
+        warn("'pin_memory' argument is set as true but no accelerator is found, "
+             "then device pinned memory won't be used.")
         return None
     current = torch.accelerator.current_accelerator()
     if not pin_memory_device:

@@ -136,8 +136,10 @@ def test_bug_dataset_raises_a_clear_error(cluster):
 
 
 def test_large_dataset_instance_warns_and_points_to_datasetspec(cluster):
-    with pytest.warns(UserWarning, match=r"pickles to 6\.\d MB; use dpex.DatasetSpec"):
+    with pytest.warns(UserWarning, match=r"pickles to 6\.\d MB and goes to every worker by value; if it reads "
+                      r"files, dpex.DatasetSpec") as caught:
         DpexDataLoader(Big(), distribute_mode=True, head_address=cluster.address, batch_size=4).close()
+    assert caught[0].filename == __file__  # the user's line, not Dpex's (issue 55)
 
 
 @pytest.mark.parametrize("kwargs", [dict(batch_size=4, shuffle=True), dict(batch_size=None)])
