@@ -79,4 +79,13 @@ class ByteSize(click.ParamType):
 
 
 def fail(message: str) -> None:
+    """Exits with ``message``, naming the flags that came from environment variables (DPEX_PORT is
+    read by both daemons: a worker started in the dispatcher's shell gets its port)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        from_env = [f"--{p.name.replace('_', '-')}={ctx.params.get(p.name)!r} from ${p.envvar}"
+                    for p in ctx.command.params if isinstance(p.envvar, str)
+                    and ctx.get_parameter_source(p.name) is click.core.ParameterSource.ENVIRONMENT]
+        if from_env:
+            message += f" (set from the environment: {', '.join(from_env)})"
     raise click.ClickException(message)

@@ -161,3 +161,21 @@ def test_a_burst_of_sigterms_stops_a_daemon(tmp_path):
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_a_failure_names_the_flags_set_from_the_environment(tmp_path):
+    """Issue 55: DPEX_PORT is read by both daemons; a worker started in the dispatcher's shell fails to
+    bind its port, and now says where the port came from."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        out = subprocess.run([os.path.join(BIN, "dpex-worker"), "--dispatcher", "127.0.0.1:1",
+                              "--connect-timeout", "1"], env={**os.environ, "DPEX_PORT": str(port),
+                                                              "DPEX_HOST": "127.0.0.1"},
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert out.returncode == 1 and f"--port={port} from $DPEX_PORT" in out.stderr, out.stderr[-2000:]
