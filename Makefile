@@ -10,24 +10,29 @@ PROTOS := $(wildcard protos/dpex/v1/*.proto)
 
 setup: $(VENV)/.installed proto
 
-# torch first, pinned: a bare `torch` requirement would pull the CUDA build.
-$(VENV)/.installed: pyproject.toml
+# torch first, pinned: a bare `torch` requirement would pull the CUDA build. The demo needs the
+# package and the proto compiler only; the tests add the `test` and `ray` extras.
+$(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_PIN)
-	$(PIP) install --quiet -e '.[test,ray]'
+	$(PIP) install --quiet -e '.[proto]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
+	$(PIP) install --quiet -e '.[proto,test,ray]'
 	touch $@
 
 # Generated code lands in dpex/proto/ and is never edited; the virtual include
 # path makes the generated imports read `from dpex.proto import ...`.
 proto: $(VENV)/.proto
 
-$(VENV)/.proto: $(PROTOS) $(VENV)/.installed
+$(VENV)/.proto: $(PROTOS) $(VENV)/.base
 	$(PY) -m grpc_tools.protoc -Idpex/proto=protos/dpex/v1 \
 		--python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $@
 
-demo: setup
+demo: $(VENV)/.base proto
 	$(PY) -m dpex.demo
 
 # Two test files at a time (pytest-xdist), each on one process, so that a
