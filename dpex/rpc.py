@@ -247,7 +247,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
             now = time.monotonic()
             since = outage.failed(now)  # read once: another call may end the outage meanwhile
             deadline = since + retry_for_s
-            if now >= deadline or (stop and stop()):
+            if now >= deadline or (stop and stop()) or _exiting:
                 error = to_dpex_error(e, target)
                 if retry_for_s > 0:
                     error.args = (f"{error} (unreachable for {now - since:.0f}s)",)
@@ -276,6 +276,16 @@ def check_address(address: str) -> str:
             f"bad address {address!r}: expected HOST:PORT (e.g. 127.0.0.1:7070 or dispatcher:7070), "
             "without a scheme or path")
     return text
+
+
+_exiting = False           # the interpreter exits: an unreachable daemon is not waited for, nor said
+
+
+def exiting() -> None:
+    """The interpreter is exiting (its embedded daemons stop): a call that finds its daemon
+    unreachable fails at once, quietly, instead of retrying until it is back."""
+    global _exiting
+    _exiting = True
 
 
 _used = False              # this process made a gRPC channel: gRPC's threads run in it

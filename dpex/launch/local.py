@@ -420,4 +420,12 @@ def stop_embedded() -> None:
         shared.close()
 
 
-atexit.register(stop_embedded)
+def _stop_at_exit() -> None:
+    """At interpreter exit: calls that find a daemon gone fail at once, without retrying or
+    saying so (an uncaught error's traceback stays the last thing printed), then the clusters stop."""
+    from dpex import rpc
+    rpc.exiting()
+    stop_embedded()
+
+
+atexit.register(_stop_at_exit)

@@ -308,3 +308,30 @@ if __name__ == "__main__":
 """)
     assert torch_out == "0 True\n"  # else the message it gave
     assert dpex_out == "0 True\n"
+
+
+def test_an_uncaught_worker_error_is_the_last_thing_printed(tmp_path):
+    """Issue 55: after an uncaught error on the embedded cluster, the last line was the loader's
+    "cannot reach dispatcher ... retrying until it is back" (its daemons stop at exit)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import dpex
+        from torch.utils.data import Dataset
+
+        class Bad(Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                if i == 20:
+                    raise ValueError("bad sample")
+                return i
+
+        for batch in dpex.DpexDataLoader(Bad(), distribute_mode=True, batch_size=4):
+            pass
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "ValueError: bad sample", done.stderr[-2000:]
+    assert "cannot reach" not in done.stderr
