@@ -120,6 +120,7 @@ class EpochDraw:
         self._plans, self.base_seed, self._indices, self._pacer = plans, base_seed, indices, pacer
         self._spec, self.drawn, self.end = sampler, drawn, end
         self._generator: Any = None  # what a described RandomSampler draws from, as the batches are asked for
+        self._resumed_end = False  # a resumed explicit plan: sets ``end`` once it runs out
 
     def plan(self) -> Drawn:
         """The epoch's plan, drawn now; the consumer's j-th sample is at place
@@ -140,8 +141,6 @@ class EpochDraw:
         if plans._reproducible:
             samplers.place_explicit(batches, plans.consumer_index, plans.num_consumers)
         return Drawn(self.base_seed, None, batches, 0)
-
-    _resumed_end = False
 
     def resume(self, generator: Any) -> None:
         """A resumed epoch goes on drawing from ``generator`` (restored as it was saved)."""
