@@ -136,7 +136,9 @@ class DpexDataLoader(DataLoader[_T_co]):
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
             pin_memory_device=pin_memory_device, reproducible=reproducible, share=share, cache=cache)
-        common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order, timeout=timeout or None,
+        # torch reorders only across its worker processes: with one or none, in_order=False yields in order.
+        common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order or num_workers <= 1,
+                      timeout=timeout or None,
                       generator=generator, window=(prefetch_factor or 2) * max(1, num_workers),
                       worker_init_fn=worker_init_fn, persistent_workers=persistent_workers, pin_memory=pin_memory,
                       pin_memory_device=pin_memory_device, num_workers=num_workers,

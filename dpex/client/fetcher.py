@@ -7,6 +7,7 @@ delivered batches to the dispatcher and long-polls for split owners.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -170,6 +171,7 @@ class _Exit:
         if self._done:
             return
         self._done = True
+        _live.discard(self)
         self.control.close(flush=self.finished)
         self._streams.end_epoch(self._key)  # frames queued for it, and their files, go now
         if not self.finished and self._leave is not None:
@@ -177,6 +179,66 @@ class _Exit:
                 self._leave(self.wait)
             except Exception as e:  # the dispatcher's consumer timeout does it later
                 log.debug("could not release the epoch: %s", e)
+
+
+class _Reaper:
+    """Ends epochs whose iterator was collected, in a thread of its own. The
+    garbage collector runs a finalizer in whatever thread it interrupts, also
+    inside gRPC while that holds a channel's lock; ending the epoch there
+    (gRPC calls on the same channel) deadlocked (found by the differential
+    tester: zip(loader, loader) leaves one epoch to the collector)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+
+    def put(self, end: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:  # a daemon: exit is not held up; drain() is the stop path
+                self._thread = threading.Thread(target=self._run, name="dpex-reaper", daemon=True)
+                self._thread.start()
+        self._queue.put(end)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                end = self._queue.get(timeout=1.0)
+            except queue.Empty:  # idle: the thread ends (a later epoch starts another)
+                with self._lock:
+                    if not self._pending:
+                        self._thread = None
+                        return
+                continue
+            try:
+                end()
+            except Exception as e:  # noqa: BLE001 - the dispatcher's consumer timeout does it later
+                log.debug("could not end a collected epoch: %s", e)
+            with self._lock:
+                self._pending -= 1
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Waits (at exit) for the epochs handed over to be ended."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return
+            time.sleep(0.01)
+
+
+_reaper = _Reaper()
+_live: set = set()  # the _Exit of every epoch not ended yet
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """At exit, in this (the main) thread: the epochs still open end, as close() ends them."""
+    for end in list(_live):
+        end()
+    _reaper.drain()
 
 
 class EpochFetcher:
@@ -232,7 +294,9 @@ class EpochFetcher:
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)
-        self._finalizer = weakref.finalize(self, self._exit)
+        _live.add(self._exit)
+        self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
+        self._finalizer.atexit = False  # _end_at_exit ends it then, in the main thread
 
     def __iter__(self) -> "EpochFetcher":
         return self
@@ -467,4 +531,5 @@ class EpochFetcher:
             self._left_why = why
             self._exit.wait = True
         self._closed = True
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # by the caller, in its thread: ended before close() returns
+            self._exit()

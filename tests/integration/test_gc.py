@@ -51,3 +51,30 @@ def test_a_gone_worker_is_forgotten_and_status_says_so():
         assert gone.address not in {w.address for w in status(c.address).workers}
         from dpex.cmd.status import render
         assert "collected: 0 jobs, 1 workers" in render(status(c.address))
+
+
+def test_a_collected_epoch_is_ended_by_the_reaper_not_in_the_collecting_thread(monkeypatch):
+    """Found by the differential tester (issue 55): the garbage collector ran a dropped epoch's finalizer
+    inside gRPC, in a thread holding a channel's lock, and ending the epoch there (gRPC calls on that
+    channel) deadlocked. A collected epoch is now ended by a thread of its own, the dispatcher told."""
+    import gc
+    import threading
+
+    from dpex.client import fetcher
+    ended_in = []
+    real = fetcher._Exit.__call__
+
+    def spy(self):
+        if not self._done:
+            ended_in.append(threading.current_thread().name)
+        real(self)
+    monkeypatch.setattr(fetcher._Exit, "__call__", spy)
+    with test_cluster(num_workers=1) as c:
+        with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40),
+                                   batch_size=4, timeout=30) as loader:
+            pairs = list(zip(loader, loader))  # the second epoch is left with a batch unread
+            assert len(pairs) == 10
+            gc.collect()
+            wait_until(lambda: len(ended_in) >= 2, 30, "both epochs to end")
+            assert "dpex-reaper" in ended_in and all(name in ("dpex-reaper", "MainThread") for name in ended_in)
+            assert len(list(loader)) == 10  # the loader goes on
