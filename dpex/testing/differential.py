@@ -254,7 +254,7 @@ class Programs(RuleBasedStateMachine):
     def break_(self, data: Any) -> None:
         slot = data.draw(st.sampled_from(sorted(self.sides[0].iterators)))
         self.left = True
-        self.both(lambda side: side.iterators.pop(slot) is None or None)
+        self.both(lambda side: _drop(side.iterators, slot))
 
     @precondition(lambda self: self.sides is not None)
     @rule()
@@ -277,8 +277,7 @@ class Programs(RuleBasedStateMachine):
     @precondition(lambda self: self.sides is not None)
     @rule(epoch=st.integers(0, 5))
     def set_epoch(self, epoch: int) -> None:
-        self.both(lambda side: [s.set_epoch(epoch) for s in (side.loader.sampler, side.loader.batch_sampler)
-                                if hasattr(s, "set_epoch")] and None)
+        self.both(lambda side: _set_epoch(side.loader, epoch))
 
     # A generator inside the user's batch_sampler is not the loader's: no state dict can know it.
     @precondition(lambda self: self.sides is not None and not self.config.iterable
@@ -307,6 +306,17 @@ class Programs(RuleBasedStateMachine):
         for side in self.sides or ():
             side.close()
 
+
+
+def _drop(iterators: dict, slot: int) -> None:
+    """The loop breaks: its iterator is dropped."""
+    del iterators[slot]
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    for s in (loader.sampler, loader.batch_sampler):
+        if hasattr(s, "set_epoch"):
+            s.set_epoch(epoch)
 
 
 def run(address: str, programs: int, steps: int = 8, derandomize: bool = True) -> None:
