@@ -142,8 +142,7 @@ class EpochState:
                 "whole": [i for i, b in enumerate(self.batches) if b.whole] if explicit else [],
                 "places": self.place_batches() if explicit else None,
                 "reshard": self.reshard, "num_streams": self.num_streams, "drawn": self.draws,
-                "generator_end": blob(zlib.compress(self.end_state.numpy().tobytes()))
-                if self.end_state is not None else None,
+                "generator_end": pack_state(self.end_state) if self.end_state is not None else None,
                 # Pairs, not dicts with int keys: a state survives a JSON round trip (keys become strings).
                 "ends": sorted([k, n] for k, n in self.progress.ends.items()),
                 "done": [list(r) for r in self.progress.ranges()],
@@ -162,7 +161,7 @@ class EpochState:
         return cls(d["epoch"], d["base_seed"], d["num_batches"] if batches is None else len(batches),
                    sampler=dpb.SamplerSpec.FromString(unblob(d["sampler"])) if d["sampler"] is not None else None,
                    batches=batches, num_streams=d["num_streams"], reshard=d["reshard"], drawn=d.get("drawn", 0),
-                   end=_state(d["generator_end"]) if d.get("generator_end") else None,
+                   end=unpack_state(d["generator_end"]) if d.get("generator_end") else None,
                    progress=Progress([tuple(r) for r in d["done"]], d["num_streams"],
                                      {k: n for k, n in pairs(d["ends"])},
                                      {k: (j, unblob(state)) for k, (j, state) in pairs(d["stream_states"])},
@@ -273,16 +272,21 @@ def unblob(value: Any) -> bytes:
 
 def pack_generator(generator: Any) -> Any:
     """A torch.Generator's state, zlib'd (its 32-bit words sit in 64-bit slots)."""
-    return blob(zlib.compress(generator.get_state().numpy().tobytes()))
+    return pack_state(generator.get_state())
 
 
-def _state(packed: Any) -> Any:
+def pack_state(state: Any) -> Any:
+    """A generator's state tensor as :func:`pack_generator` keeps it."""
+    return blob(zlib.compress(state.numpy().tobytes()))
+
+
+def unpack_state(packed: Any) -> Any:
     import torch
     return torch.frombuffer(bytearray(zlib.decompress(unblob(packed))), dtype=torch.uint8)
 
 
 def restore_generator(generator: Any, packed: Any) -> None:
-    generator.set_state(_state(packed))
+    generator.set_state(unpack_state(packed))
 
 
 def check(sd: Any, length: int, batch_size: int | None) -> None:
