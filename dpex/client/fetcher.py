@@ -43,11 +43,15 @@ def describe(error: BaseException | None) -> str:
     return str(error)
 
 
+# A Control's news names its epoch: a lane's results queue outlives an epoch, and a
+# left epoch's control thread may still speak (its end is pending) once the next is read.
 class _Owners(NamedTuple):
+    key: tuple[int, int, int]
     response: dpb.SyncConsumerResponse
 
 
 class _Failed(NamedTuple):
+    key: tuple[int, int, int]
     error: DpexError
 
 
@@ -61,6 +65,7 @@ class Control:
         self._meter = meter or StatsMeter()  # the trainer's measured need and wait, reported with each sync
         self._need = self._meter.recent_need
         self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch, client_id=client_id)
+        self.epoch_key = (job_id, consumer_index, epoch)
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
         self._lock = threading.Lock()
@@ -112,11 +117,11 @@ class Control:
                     error = e if isinstance(e, DpexError) and not isinstance(e, DpexCancelledError) else \
                         DpexConnectionError(f"the epoch's control stream to {self._target} ended: "
                                             f"{type(e).__name__}: {e}")
-                    self._results.put(_Failed(error))
+                    self._results.put(_Failed(self.epoch_key, error))
                 return
             if response.owners_digest != digest:
                 digest = response.owners_digest
-                self._results.put(_Owners(response))
+                self._results.put(_Owners(self.epoch_key, response))
 
     def close(self, flush: bool) -> None:
         """Stops the thread; with ``flush``, sends the remaining acks first."""
@@ -421,6 +426,8 @@ class EpochFetcher:
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
         ledger = self._ledger
+        if isinstance(got, (_Owners, _Failed)) and got.key != self.key:
+            return False  # an earlier epoch's on this lane, ended after this one began
         if isinstance(got, _Owners):
             self._router.update(got.response)
             self._meter.workers_alive = self._router.workers_alive
