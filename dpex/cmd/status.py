@@ -52,14 +52,14 @@ def render(status) -> str:
     lines += ["", f"JOBS ({len(jobs['running'])} running, {len(jobs['idle'])} idle, "
                   f"{len(jobs['finished'])} finished)"]
     rows = [("ID", "NAME", "STATE", "CONSUMERS", "EPOCH", "PLANNED", "DELIVERED", "DONE", "SPLITS ASSIGNED",
-             "UNASSIGNED", "SHARES")]
+             "UNASSIGNED", "SHARES", "SHARING")]
     for j in jobs["running"] + jobs["idle"] + jobs["finished"]:  # live ones first
         done = f"{100 * j.batches_delivered / j.batches_planned:.0f}%" if j.batches_planned else "-"
         epochs = sorted(set(j.epochs))
         rows.append((str(j.job_id), j.name or "-", j.state, f"{j.consumers_active} active / {j.num_consumers}",
                      "-" if not epochs else "/".join(map(str, epochs)), str(j.batches_planned),
                      str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned),
-                     j.shares or "-"))
+                     j.shares or "-", j.sharing or "-"))
     lines += _table(rows)
     return "\n".join(lines)
 
@@ -82,7 +82,7 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
            as_json: bool) -> None:
     """Show workers (state, splits held, load, batches produced, shared and
     sent, heartbeat) and jobs (consumers, epoch, batches planned and
-    delivered, and which share their batches: equal SHARES)."""
+    delivered, which share their batches: equal SHARES, and why one shares nothing)."""
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     from dpex.auth import load_ca, load_token

@@ -17,28 +17,12 @@ from dpex.dispatcher.state import Plan
 from dpex.dispatcher.status import status
 from dpex.log import fields
 from dpex.plan import samplers
-from dpex.plan.spec import PlanHash, of_loader, plan_share_key, resumed
+from dpex.plan.spec import CODE, PlanHash, differing_fields, of_loader, plan_share_key, resumed
 from dpex.errors import DpexConfigError, DpexConflictError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
 log = logging.getLogger("dpex.dispatcher")
-
-
-# JobDef fields by the loader argument that sets them.
-_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible", "main_process": "num_workers",
-             "out_of_order": "in_order"}
-_CODE = {"dataset", "collate", "worker_init_fn", "content"}  # the code, pickled, and what it is
-
-
-def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) -> list[str]:
-    """The loader arguments on which two definitions of a job differ (with
-    ``settings_only``, not counting the pickled code)."""
-    # Code of equal content (JobDef.content) is the same, though its pickle differs per process.
-    same_code = settings_only or (a.content and a.content == b.content)
-    return [_ARGUMENT.get(f.name, f.name) for f in dpb.JobDef.DESCRIPTOR.fields
-            if f.name not in ("name", "content") and not (same_code and f.name in _CODE)
-            and getattr(a, f.name) != getattr(b, f.name)]
 
 
 class DispatcherCore(Journaled):
@@ -106,7 +90,7 @@ class DispatcherCore(Journaled):
             if existing is not None:
                 differ = differing_fields(existing.definition, job, request.settings_only)
                 if differ:
-                    hint = ("" if not _CODE & set(differ) else
+                    hint = ("" if not CODE & set(differ) else
                             " (what the code is differs: its data, e.g. a tensor's bytes, or its classes' and "
                             "functions' code)" if job.content and existing.definition.content else
                             " (from an older Dpex: a dataset or function pickled by value - a class or function "
@@ -114,7 +98,7 @@ class DispatcherCore(Journaled):
                             "DatasetSpec('module:attr') to share a job across processes)")
                     values = "; ".join(f"{name}={getattr(job, name)!r} here, {getattr(existing.definition, name)!r} "
                                        "in the job" for name in differ if name in dpb.JobDef.DESCRIPTOR.fields_by_name
-                                       and name not in _CODE)
+                                       and name not in CODE)
                     raise DpexConflictError(
                         f"job {job.name!r} already exists with a different {', '.join(differ)}"
                         f"{f' ({values})' if values else ''}; use another job_name or the same arguments{hint}")

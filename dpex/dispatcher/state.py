@@ -191,6 +191,7 @@ class Job:
     # epoch -> (batches, consumer) of its plan first submitted, whatever became of it: DDP ranks plan alike
     epoch_batches: dict[int, tuple[int, int]] = field(default_factory=dict)
     closed: set[int] = field(default_factory=set)         # consumers gone (closed or silent)
+    share_keys: dict[int, bytes] = field(default_factory=dict)  # consumer -> its newest plan's, kept after release
     batches_planned: int = 0
     batches_delivered: int = 0
 
@@ -288,6 +289,7 @@ class DispatcherState:
             self._forget(plan)
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
+        job.share_keys[u.consumer_index] = u.share_key
         if not u.num_streams:
             counted = job.epoch_batches.get(u.epoch)
             if counted is None or counted[1] == u.consumer_index:  # a rank's own rerun may plan anew

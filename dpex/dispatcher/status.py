@@ -3,8 +3,11 @@ counters, read under the dispatcher's lock."""
 from __future__ import annotations
 
 import time
+from typing import Iterable
 
 from dpex.dispatcher.journaled import Journaled
+from dpex.dispatcher.state import Job
+from dpex.plan.spec import content_differences
 from dpex.proto import dispatcher_pb2 as dpb
 
 
@@ -41,7 +44,8 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                               epochs=[job.epochs[c] for c in sorted(job.epochs)],
                               state=state.job_state(job.job_id),
                               workers_needed=j.seen.workers_needed(job.job_id),
-                              shares=(job.share_digest or b"").hex()[:8])
+                              shares=(job.share_digest or b"").hex()[:8],
+                              sharing=sharing(job, state.jobs.values()))
     alive = sum(w.state == "alive" for w in response.workers)
     extra = [max(0, job.workers_needed - alive) for job in response.jobs if job.workers_needed]
     response.workers_needed = alive + sum(extra) if extra else 0
@@ -49,3 +53,37 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
         if j.scaled is not None:
             response.workers_wanted, response.scaling_reason = j.scaled.target, j.scaled.reason
     return response
+
+
+def sharing(job: Job, jobs: Iterable[Job]) -> str:
+    """Whether the job's batches are shared and, if not, why, in words (for a
+    sweep whose trials share nothing: dpex.plan.spec.share_digest)."""
+    definition = job.definition
+    if definition.no_share:
+        return "off: share=False"
+    if definition.process_seeds:
+        return "off: reproducible=False (a sample's draws follow the process that makes it)"
+    keys = _share_keys(job)
+    if keys == {b""}:  # plans of no key from a job that may share: its streams
+        return "off: an IterableDataset's streams are not shared"
+    others = [other for other in jobs if other.job_id != job.job_id]
+    kin = [other for other in others if other.share_digest == job.share_digest]
+    if kin:
+        keys -= {b""}
+        with_ = [other for other in kin if keys & _share_keys(other)]
+        if with_:
+            return f"with {len(with_)} job{'s' * (len(with_) > 1)}"
+        return (f"none: {len(kin)} job{'s' * (len(kin) > 1)} of its definition plan other batches "
+                "(another seed, epoch or sampler)")
+    # The same code (by content) with other settings: the nearest job that shares, and how it differs.
+    near = [(content_differences(other.definition, definition), other) for other in others
+            if definition.content and other.definition.content == definition.content and other.share_digest]
+    if near:
+        differ, other = min(near, key=lambda pair: len(pair[0]))
+        return f"none: job {other.definition.name or other.job_id} differs in {', '.join(differ)}"
+    return ""
+
+
+def _share_keys(job: Job) -> set[bytes]:
+    """The share keys of each consumer's newest plan (dpex.plan.spec.plan_share_key), released or not."""
+    return set(job.share_keys.values()) | {plan.share_key for plan in job.plans.values()}

@@ -59,6 +59,26 @@ def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> I
 # JobDef fields that do not change what a batch holds: who asks, and how batches pass busy processes.
 _NOT_CONTENT = ("name", "num_consumers", "out_of_order", "sample_cache")
 _PICKLED = ("dataset", "collate", "worker_init_fn")  # per process: JobDef.content says what they are
+CODE = {"dataset", "collate", "worker_init_fn", "content"}  # the code, pickled, and what it is
+# JobDef fields by the loader argument that sets them.
+_ARGUMENT = {"collate": "collate_fn", "process_seeds": "reproducible", "main_process": "num_workers",
+             "out_of_order": "in_order", "no_share": "share"}
+
+
+def differing_fields(a: dpb.JobDef, b: dpb.JobDef, settings_only: bool = False) -> list[str]:
+    """The loader arguments on which two definitions of a job differ (with
+    ``settings_only``, not counting the pickled code)."""
+    # Code of equal content (JobDef.content) is the same, though its pickle differs per process.
+    same_code = settings_only or (a.content and a.content == b.content)
+    return [_ARGUMENT.get(f.name, f.name) for f in dpb.JobDef.DESCRIPTOR.fields
+            if f.name not in ("name", "content") and not (same_code and f.name in CODE)
+            and getattr(a, f.name) != getattr(b, f.name)]
+
+
+def content_differences(a: dpb.JobDef, b: dpb.JobDef) -> list[str]:
+    """The loader arguments on which two definitions differ in what their batches hold."""
+    ignored = {_ARGUMENT.get(name, name) for name in _NOT_CONTENT}
+    return [name for name in differing_fields(a, b) if name not in ignored]
 
 
 def share_digest(job: dpb.JobDef) -> bytes | None:

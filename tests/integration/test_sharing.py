@@ -98,8 +98,9 @@ def test_three_trials_pay_for_one_computation_and_each_gets_its_own_batches(one)
     now = status(one)
     labels = [j.shares for j in now.jobs]
     assert labels.count("") == 1 and max(labels.count(x) for x in set(labels) - {""}) == 3
+    assert sorted(j.sharing for j in now.jobs) == ["off: share=False"] + ["with 2 jobs"] * 3  # and why
     text = render(now)
-    assert "SHARES" in text and f"{after['share_hits']} (" in text
+    assert "SHARES" in text and f"{after['share_hits']} (" in text and "off: share=False" in text
 
 
 def test_share_false_or_another_seed_shares_nothing_and_changes_nothing(one):
@@ -110,6 +111,13 @@ def test_share_false_or_another_seed_shares_nothing_and_changes_nothing(one):
     assert same(seeded, epochs(one.address, n=1, seed=8, share=False))
     after = settled(one, before["batches_produced"] + 4 * EPOCH)
     assert after["share_hits"] == before["share_hits"]
+    # `dpex status` says why: another seed plans other batches; another batch size is another definition.
+    with loader(one.address, batch_size=8, job_name="eights") as dl:
+        list(dl)
+    why = {j.name or j.job_id: j.sharing for j in status(one).jobs}
+    assert why["eights"].startswith("none: job ") and why["eights"].endswith(" differs in batch_size")
+    assert sum("of its definition plan other batches (another seed, epoch or sampler)" in w for w in why.values()) \
+        >= 2  # seed 8 and seed 7 (plain), each beside the other
 
 
 def test_a_worker_that_shares_nothing_makes_every_batch():

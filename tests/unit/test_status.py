@@ -25,3 +25,36 @@ def test_workers_jobs_and_what_the_trainers_need(make_core):
                                                            workers_needed=3), LOCAL))
     status = core.status()
     assert status.jobs[0].workers_needed == 3 and status.workers_needed == 3  # 1 alive + 2 more
+
+
+def test_each_job_says_whether_it_shares_and_why_not(make_core):
+    core = make_core()
+
+    def made(name, content=b"code", **settings):
+        return core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
+            name=name, dataset=b"spec-" + name.encode(), content=content, num_consumers=1,
+            **{"batch_size": 4, **settings})), LOCAL).job_id
+
+    def planned(job_id, seed=3, streams=0):
+        request = dpb.SubmitPlanRequest(job_id=job_id, epoch=0, base_seed=seed, client_id=job_id % 1000 + 1,
+                                        num_streams=streams)
+        if not streams:
+            request.batches.extend(dpb.IndexBatch(indices=[i]) for i in range(4))
+        core.submit_plan(request, LOCAL)
+
+    for name in ("a", "b"):  # a sweep's two trials: the same content, pickled apart, one seed
+        planned(made(name))
+    planned(made("seeded"), seed=4)
+    planned(made("eights", batch_size=8))
+    planned(made("opted_out", no_share=True))
+    planned(made("drawn", process_seeds=True))
+    planned(made("streams", content=b"other"), streams=2)
+    core.release_consumer(dpb.ReleaseConsumerRequest(job_id=made("a"), client_id=made("a") % 1000 + 1), LOCAL)
+    why = {j.name: j.sharing for j in core.status().jobs}
+    assert why == {
+        "a": "with 1 job", "b": "with 1 job",  # a closed job's last plan still counts
+        "seeded": "none: 2 jobs of its definition plan other batches (another seed, epoch or sampler)",
+        "eights": "none: job a differs in batch_size",
+        "opted_out": "off: share=False",
+        "drawn": "off: reproducible=False (a sample's draws follow the process that makes it)",
+        "streams": "off: an IterableDataset's streams are not shared"}
