@@ -3,16 +3,76 @@ programs through torch's DataLoader and DpexDataLoader side by side, on a
 test cluster of two workers; prints the programs and steps run, and the
 first difference from torch with its shrunk program (exit 1) if one is found.
 
-    .venv/bin/python benchmarks/differential.py [--programs 10000] [--steps 8] [--random]
+    .venv/bin/python benchmarks/differential.py [--programs 10000] [--steps 8] [--random] [--jobs 1]
+
+``--jobs K`` runs K such runs at once (processes of their own, each with its
+own cluster; the programs split among them, drawn anew in each) and sums
+them: a program mostly waits on processes starting and ending, so a few
+run side by side on two cores. Each run prints its count every minute.
 """
 import argparse
 import os
+import re
+import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpex.testing import test_cluster  # noqa: E402
 from dpex.testing.differential import Programs, run  # noqa: E402
+
+TALLY = re.compile(r"^programs (\d+), steps (\d+), ")
+
+
+def one(programs: int, steps: int, random: bool) -> int:
+    start, failed, done = time.monotonic(), None, threading.Event()
+
+    def progress() -> None:
+        while not done.wait(60):
+            print(f"... {Programs.programs} programs, {Programs.steps} steps, {time.monotonic() - start:.0f} s",
+                  flush=True)
+    threading.Thread(target=progress, daemon=True).start()
+    with test_cluster(num_workers=2, processes=1) as cluster:
+        try:
+            run(cluster.address, programs, steps, derandomize=not random)
+        except Exception as e:  # noqa: BLE001 - the counterexample, printed
+            failed = e
+    done.set()
+    elapsed = time.monotonic() - start
+    print(f"programs {Programs.programs}, steps {Programs.steps}, {elapsed:.0f} s "
+          f"({elapsed / max(1, Programs.programs):.2f} s a program): "
+          f"{'a difference from torch: ' + str(failed) if failed else 'every output and generator state as torch'}",
+          flush=True)
+    return 1 if failed else 0
+
+
+def many(jobs: int, programs: int, steps: int) -> int:
+    """``jobs`` runs of --random programs at once; their tallies summed."""
+    start = time.monotonic()
+    runs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--programs", str(-(-programs // jobs)),
+                              "--steps", str(steps), "--random"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for _ in range(jobs)]
+    tallies: list[tuple[int, int]] = []
+
+    def follow(k: int, run_: subprocess.Popen) -> None:
+        for line in run_.stdout:
+            print(f"[{k}] {line}", end="", flush=True)
+            m = TALLY.match(line)
+            if m:
+                tallies.append((int(m.group(1)), int(m.group(2))))
+    threads = [threading.Thread(target=follow, args=(k, r)) for k, r in enumerate(runs)]
+    for t in threads:
+        t.start()
+    codes = [r.wait() for r in runs]
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - start
+    total = sum(p for p, _ in tallies)
+    print(f"all {jobs} runs: programs {total}, steps {sum(s for _, s in tallies)}, {elapsed:.0f} s "
+          f"({elapsed / max(1, total):.2f} s a program); "
+          f"{'every output and generator state as torch' if not any(codes) else 'a difference from torch (above)'}")
+    return 1 if any(codes) else 0
 
 
 def main() -> int:
@@ -20,18 +80,11 @@ def main() -> int:
     p.add_argument("--programs", type=int, default=10_000)
     p.add_argument("--steps", type=int, default=8, help="steps per program, at most")
     p.add_argument("--random", action="store_true", help="programs drawn anew (default: hypothesis's derandomized)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each drawing anew (implies --random)")
     args = p.parse_args()
-    start, failed = time.monotonic(), None
-    with test_cluster(num_workers=2, processes=1) as cluster:
-        try:
-            run(cluster.address, args.programs, args.steps, derandomize=not args.random)
-        except Exception as e:  # noqa: BLE001 - the counterexample, printed
-            failed = e
-    elapsed = time.monotonic() - start
-    print(f"programs {Programs.programs}, steps {Programs.steps}, {elapsed:.0f} s "
-          f"({elapsed / max(1, Programs.programs):.2f} s a program): "
-          f"{'a difference from torch: ' + str(failed) if failed else 'every output and generator state as torch'}")
-    return 1 if failed else 0
+    if args.jobs > 1:
+        return many(args.jobs, args.programs, args.steps)
+    return one(args.programs, args.steps, args.random)
 
 
 if __name__ == "__main__":  # torch's workers start from a forkserver: this module is imported again

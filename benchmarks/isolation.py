@@ -3,7 +3,8 @@ another job A on the same worker whose trainer (1) left an epoch after 3
 batches (a ``break``), (2) holds an epoch it does not read (paused), (3)
 reads 2 batches/s (a slow consumer, in a process of its own), (4) the same
 with shuffle and a seed of its own (a sweep's slow trial: the same
-definition, so the worker's sharing sees both, but other batches); rounds
+definition, so the worker's sharing sees both, but other batches), (5) the
+same with B's own seed (a slow trial that shares every batch with B); rounds
 alternate in one run.
 
     .venv/bin/python benchmarks/isolation.py [--rounds 3] [--processes 2] [--size 32]
@@ -45,7 +46,7 @@ def main() -> None:
     spec = dpex.DatasetSpec("benchmarks.pipeline:IOBound", args.samples, args.wait_ms / 1000, args.size)
     B = args.batch_size
     rates: dict[str, list[float]] = {"alone": [], "left epoch": [], "paused": [], "slow consumer": [],
-                                     "slow sibling": []}
+                                     "slow sibling": [], "slow twin": []}
     with dpex.LocalCluster(num_workers=1, processes=args.processes) as cluster:
         def loader(name: str) -> dpex.RemoteDataLoader:
             return dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, job_name=name, timeout=300,
@@ -79,7 +80,7 @@ def main() -> None:
                 rates["paused"].append(rate(job_b))
                 del held
 
-            for setting, seed in (("slow consumer", None), ("slow sibling", 2)):
+            for setting, seed in (("slow consumer", None), ("slow sibling", 2), ("slow twin", 1)):
                 slow = subprocess.Popen([sys.executable, "-c", slow_script(f"{setting}-{r}", seed)],
                                         stdout=subprocess.PIPE, text=True,
                                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
