@@ -21,19 +21,25 @@ The worker, the client and the launcher share this protocol: it lives here,
 not in one of its users (the Fetch stream's keys are dpex.wire.pairing's)."""
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import shutil
+import time
 import weakref
 from typing import NamedTuple
 
 from dpex import procutil
 from dpex.procutil import alive
 
+log = logging.getLogger("dpex.worker")
+
 SHM = "/dev/shm"
 MIN_BYTES = 1 << 20  # below this the pipe is as cheap
 SPARE = ".spare-"  # a file read and sent, kept for the next frame to overwrite
 LENT = ".lent-"    # a file a trainer has mapped: .lent-<trainer pid>-<name>
+SPARE_IDLE_S = 10.0  # a spare not taken for this long goes (sweep_spares): an idle worker holds no spare memory
 
 
 class Handoff(NamedTuple):
@@ -144,6 +150,52 @@ def sweep_lent(directory: str | None) -> None:
             _unlink(os.path.join(directory, name))
 
 
+FULL = ".full"  # made by the first process of a worker to find /dev/shm full: it says so, once
+
+
+def too_small(directory: str, nbytes: int, error: OSError) -> None:
+    """A hand-off file of ``nbytes`` could not be had (``error``): the batch
+    goes through the pipe. A full /dev/shm is said once per worker (the first
+    of its processes to meet it makes the FULL mark)."""
+    if error.errno not in (errno.ENOSPC, errno.ENOMEM):
+        return
+    try:
+        os.close(os.open(os.path.join(directory, FULL), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        return  # said already (or the mark cannot be made either: the next one says it)
+    try:
+        fs = os.statvfs(directory)
+        room = f"{fs.f_bavail * fs.f_frsize / 2**20:.0f} MB free of {fs.f_blocks * fs.f_frsize / 2**20:.0f} MB"
+    except OSError:
+        room = "its size unknown"
+    log.warning("%s is too small for the batches: one of %.1f MB did not fit (%s); batches that do not fit go "
+                "through the pipe instead, a copy more each. Give the worker a larger /dev/shm (docker run "
+                "--shm-size, compose's shm_size, a Kubernetes emptyDir of medium Memory)",
+                os.path.dirname(directory) or directory, nbytes / 2**20, room)
+
+
+def sweep_spares(directory: str | None, idle_s: float = SPARE_IDLE_S) -> int:
+    """Removes the spares nobody took for ``idle_s`` (a spare's rename to its
+    name sets its ctime): a worker gone idle gives their memory back, once
+    the batch processes that keep them mapped let go (dpex.worker.slabs).
+    Returns how many went."""
+    if not directory:
+        return 0
+    try:
+        entries = [e for e in os.scandir(directory) if e.name.startswith(SPARE)]
+    except OSError:
+        return 0
+    now, removed = time.time(), 0
+    for entry in entries:
+        try:
+            if now - entry.stat().st_ctime > idle_s:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:  # taken meanwhile
+            pass
+    return removed
+
+
 def usage(directory: str | None) -> dict[str, int]:
     """Bytes in the hand-off directory: frames (produced, not yet sent or
     mapped), lent (mapped by trainers) and spare."""
@@ -210,9 +262,10 @@ def write(directory: str, name: str, parts: list, meta: bytes = b"", keep_spares
                 view = view[written:]
         if reused:
             os.ftruncate(fd, size)  # a bigger spare's tail goes
-    except OSError:  # e.g. ENOSPC: a container's small /dev/shm
+    except OSError as e:  # e.g. ENOSPC: a container's small /dev/shm
         os.close(fd)
         os.unlink(path)
+        too_small(directory, sum(memoryview(p).nbytes for p in parts), e)
         return None
     os.close(fd)
     return Handoff(path, size, meta)

@@ -57,7 +57,10 @@ class Arena:
         into ``region``, uint8): the result is valid until the next call
         (callers encode it before)."""
         self._reset(region)
-        batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+        try:
+            batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+        finally:
+            self._region = self._buffer  # a region lent (a hand-off file's) is not held past its batch
         self.size = self._used
         return batch
 

@@ -176,9 +176,10 @@ class WorkerServer:
 
     def _sweep(self) -> None:
         """Every few seconds, removes hand-off files lent to trainers that
-        died (they never give them back)."""
+        died (they never give them back), and the spares of a worker gone idle."""
         while not self._stopping.wait(_SWEEP_EVERY_S):
             shm.sweep_lent(self.pool.handoff_dir)
+            shm.sweep_spares(self.pool.handoff_dir)
 
     def close(self, grace_s: float | None = None) -> None:
         """Drains: deregisters (the dispatcher re-plans our splits and trainers

@@ -13,13 +13,17 @@ files it wrote and claims its own spares first: their pages are mapped
 already, so a batch does not fault them in again (mapping a file afresh costs
 as much as the copy it saves). Each mapped file is held open, so that its
 inode number cannot name another file meanwhile; one that somebody removed
-is let go at the next claim. So a process holds at most ``KEEP`` batches of
-file memory beyond the files that exist: those removed since its last batch.
+is let go at the next claim, or by a thread of its own within seconds (the
+worker removes spares nobody took for a while: dpex.shm.sweep_spares). So a
+process holds at most ``KEEP`` batches of file memory beyond the files that
+exist, and an idle one none.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import threading
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -43,9 +47,11 @@ class Slab(NamedTuple):
 class Slabs:
     """The hand-off files of one batch process (``directory``: its daemon's)."""
 
-    def __init__(self, directory: str, keep_spares: int) -> None:
+    def __init__(self, directory: str, keep_spares: int, watch_s: float = shm.SPARE_IDLE_S / 2) -> None:
         self._directory, self._keep_spares = directory, keep_spares
         self._mapped: OrderedDict[int, Slab] = OrderedDict()  # by inode
+        self._lock = threading.Lock()  # the mappings, between the batch and the watcher
+        threading.Thread(target=_watch, args=(weakref.ref(self), watch_s), name="dpex-slabs", daemon=True).start()
 
     def claim(self, name: str, nbytes: int) -> Slab | None:
         """A file named ``name`` with a data section of ``nbytes`` or more,
@@ -61,12 +67,18 @@ class Slabs:
             return None
         try:
             return self._mapping(path, fd, HEAD + nbytes + TAIL)
-        except (OSError, ValueError):  # e.g. ENOSPC: a container's small /dev/shm
+        except (OSError, ValueError) as e:  # e.g. ENOSPC: a container's small /dev/shm
             os.close(fd)
             shm.discard(shm.Handoff(path, 0))
+            if isinstance(e, OSError):
+                shm.too_small(self._directory, nbytes, e)
             return None
 
     def _mapping(self, path: str, fd: int, size: int) -> Slab:
+        with self._lock:
+            return self._mapped_now(path, fd, size)
+
+    def _mapped_now(self, path: str, fd: int, size: int) -> Slab:
         self._let_go_of_removed()
         st = os.fstat(fd)
         held = self._mapped.pop(st.st_ino, None)
@@ -76,8 +88,8 @@ class Slabs:
             return self._mapped[st.st_ino]
         if held is not None:
             os.close(held.fd)
-        if st.st_size < size:
-            os.ftruncate(fd, size)
+        if st.st_size < size:  # its pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS at a write
+            os.posix_fallocate(fd, 0, size)
         size = max(size, st.st_size)
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -130,3 +142,15 @@ class Slabs:
         """Where a buffer lies in the slab's data section, if it does."""
         offset = address - slab.address
         return offset if 0 <= offset and offset + nbytes <= slab.data.numel() else None
+
+
+def _watch(slabs: "weakref.ref[Slabs]", every_s: float) -> None:
+    """Lets go of removed files while no batch comes (the process is idle), until the Slabs go."""
+    wake = threading.Event()
+    while not wake.wait(every_s):
+        held = slabs()
+        if held is None:
+            return
+        with held._lock:
+            held._let_go_of_removed()
+        del held

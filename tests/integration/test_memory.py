@@ -37,3 +37,33 @@ def test_batch_processes_reuse_freed_heap_instead_of_faulting_it_in_again():
     later = sorted(f for batch in faults[2:] for f in batch)  # after the heap has grown once
     # 8 x 512 KB faulted in again is ~800 a sample; a sample may meet a heap moved by something else once.
     assert later[len(later) * 9 // 10] < 64 and later[-1] < 256, f"page faults per sample: {later}"
+
+
+def _mapped_from(pid: int, directory: str) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [line.split(None, 5)[-1].strip() for line in f if directory in line]
+    except OSError:  # gone meanwhile
+        return []
+
+
+def test_an_idle_worker_gives_its_hand_off_memory_back():
+    # After a burst of batches a worker kept its spare hand-off files, and its
+    # batch processes their mappings, for as long as it stayed idle: 200-400 MB
+    # of /dev/shm for minutes (issue 55). Spares nobody takes go after
+    # dpex.shm.SPARE_IDLE_S, and the processes let go of their removed files.
+    import os
+    from dpex import shm
+    from dpex.testing import wait_until
+    with test_cluster(num_workers=1, processes=2) as c:
+        worker = c.workers[0].process.pid
+        directory = os.path.join(shm.SHM, f"dpex-{worker}")
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=32, dim=100_000)  # 1.6 MB batches
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=4, timeout=60) as dl:
+            for _ in range(2):
+                assert len(list(dl)) == 8
+            assert any(f.startswith(shm.SPARE) for f in os.listdir(directory))  # kept while it may be busy
+            wait_until(lambda: not os.listdir(directory) and not any(
+                _mapped_from(pid, directory) for pid in descendants(worker)), 4 * shm.SPARE_IDLE_S,
+                "the idle worker's spare files and their mappings to go")
+            assert len(list(dl)) == 8  # and the next epoch makes new ones
