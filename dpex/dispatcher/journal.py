@@ -5,8 +5,12 @@ Each record is ``u32 length | u32 crc32 | serialized dpex.v1.Update``,
 written (to the OS: a killed process loses none) before the update takes
 effect; :meth:`Journal.sync` makes what was written durable (the store
 fsyncs in groups, dpex.dispatcher.store). On start the records are
-replayed in order; a torn or corrupt tail (a crash during a write) ends the
-replay and is cut off, so that new records follow the last good one.
+replayed in order. A torn tail (a crash during a write: a bad record with
+no good one after it) ends the replay and is cut off, so that new records
+follow the last good one; the bytes cut are kept beside it
+(``journal.log.torn-OFFSET``). A bad record followed by good ones is
+corruption, not a crash: the dispatcher refuses to start and the file is
+left as it is (as a corrupt snapshot is refused, dpex.dispatcher.store).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import struct
 import zlib
 from typing import Iterator
 
+from dpex.errors import DpexConfigError
 from dpex.proto import journal_pb2 as jpb
 
 log = logging.getLogger("dpex.dispatcher")
@@ -24,8 +29,24 @@ _HEADER = struct.Struct("<II")
 FILE_NAME = "journal.log"
 
 
+def _record_at(data: bytes, at: int) -> tuple[jpb.Update, int] | None:
+    """The record at offset ``at`` and where it ends, if a whole good one
+    starts there (an Update is never empty: zeros, as a crash may leave, are no record)."""
+    if at + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, at)
+    start, end = at + _HEADER.size, at + _HEADER.size + length
+    if not length or end > len(data) or zlib.crc32(data[start:end]) != crc:
+        return None
+    try:
+        return jpb.Update.FromString(data[start:end]), end
+    except Exception:  # a CRC match on garbage is unlikely; no record all the same
+        return None
+
+
 def read_records(path: str) -> tuple[list[jpb.Update], int]:
-    """The good records of a journal, and the offset where they end."""
+    """The good records of a journal, and the offset where they end (a torn
+    tail follows). Raises DpexConfigError if a good record follows a bad one."""
     updates: list[jpb.Update] = []
     good = 0
     try:
@@ -33,18 +54,17 @@ def read_records(path: str) -> tuple[list[jpb.Update], int]:
             data = f.read()
     except FileNotFoundError:
         return updates, 0
-    while good + _HEADER.size <= len(data):
-        length, crc = _HEADER.unpack_from(data, good)
-        start, end = good + _HEADER.size, good + _HEADER.size + length
-        if end > len(data) or zlib.crc32(data[start:end]) != crc:
-            break
-        try:
-            updates.append(jpb.Update.FromString(data[start:end]))
-        except Exception:  # a CRC match on garbage is unlikely; treat it as torn all the same
-            break
-        good = end
+    while (record := _record_at(data, good)) is not None:
+        updates.append(record[0])
+        good = record[1]
     if good < len(data):
-        log.warning("journal %s: ignoring a torn or corrupt tail of %d bytes at offset %d",
+        later = next((at for at in range(good + 1, len(data) - _HEADER.size) if _record_at(data, at)), None)
+        if later is not None:
+            raise DpexConfigError(
+                f"the journal {path} is corrupt: the record at offset {good} is bad and good records follow it "
+                f"(from offset {later}; a crash only tears the last one). Refusing to start; the file is kept as "
+                f"it is. Restore the work dir from a backup, or move it aside to start with no state")
+        log.warning("journal %s: ignoring a torn tail of %d bytes at offset %d (a write cut short)",
                     path, len(data) - good, good)
     return updates, good
 
@@ -67,7 +87,12 @@ class Journal:
         existed = os.path.exists(self.path)
         self._updates, good = read_records(self.path)
         self._file = open(self.path, "ab")
-        if self._file.tell() != good:  # drop the torn tail before appending
+        if self._file.tell() != good:  # drop the torn tail before appending, a copy of it kept
+            with open(self.path, "rb") as f:
+                f.seek(good)
+                torn = f.read()
+            with open(f"{self.path}.torn-{good}", "wb") as f:
+                f.write(torn)
             self._file.truncate(good)
             self._file.seek(good)
             os.fsync(self._file.fileno())

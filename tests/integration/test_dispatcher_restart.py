@@ -110,3 +110,26 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
     finally:
         gate.set()
         server.close(0)
+
+
+def test_a_journal_corrupt_in_the_middle_is_refused_at_start_and_kept(tmp_path):
+    # One byte flipped at a quarter of the journal: the dispatcher served on with
+    # 3 of 76 records and cut the rest from the file (issue 61).
+    with test_cluster(num_workers=1, work_dir=str(tmp_path), dispatcher_flags=("--journal-compact-kb", "0")) as c:  # never compacted
+        with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40),
+                                   batch_size=2, job_name="kept", timeout=60) as dl:
+            assert len(list(dl)) == 20
+        c.dispatcher.process.kill()  # kill -9: its journal as it was, not compacted into a snapshot at exit
+        c.dispatcher.process.wait()
+    logs = [f for f in os.listdir(tmp_path) if f.startswith("journal") and f.endswith(".log")]
+    (name,) = logs
+    path = os.path.join(tmp_path, name)
+    data = bytearray(open(path, "rb").read())
+    assert len(data) > 500
+    data[len(data) // 4] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    done = subprocess.run([sys.executable, "-m", "dpex.cmd.dispatcher", "--host", "127.0.0.1", "--port", "0",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "is corrupt" in done.stderr and "good records follow it" in done.stderr, \
+        done.stderr[-2000:]
+    assert open(path, "rb").read() == bytes(data)  # the evidence kept
