@@ -48,7 +48,9 @@ async def heartbeat(j: Journaled, request: dpb.WorkerHeartbeatRequest) -> dpb.Wo
             remaining = deadline - time.monotonic()
             if worker.held - held or urgent or remaining <= 0 or not worker.alive or j.waiters.full:
                 pause = remaining > 0 and j.waiters.full  # no room for its poll
-                response = dpb.WorkerHeartbeatResponse(release_split_ids=release, pause=pause)
+                response = dpb.WorkerHeartbeatResponse(
+                    release_split_ids=release, pause=pause,
+                    forget_job_ids=[job_id for job_id in request.job_ids if job_id not in j.state.jobs])
                 for split_id in sorted(worker.held - held):
                     j.describe(j.state.splits[split_id], response.splits.add())
                 j.seen.worker(worker.worker_id)

@@ -5,6 +5,7 @@ import functools
 import logging
 import math
 import os
+import re
 import tempfile
 import threading
 import time
@@ -21,6 +22,9 @@ from dpex.log import fields, set_context
 from dpex.plan.spec import share_digest
 
 log = logging.getLogger("dpex.worker")
+
+
+_JOB_FILE = re.compile(r"job-(\d+)\.pb")
 
 
 class DispatcherAgent:
@@ -56,6 +60,25 @@ class DispatcherAgent:
 
     def job_path(self, job_id: int) -> str:
         return os.path.join(self._job_dir, f"job-{job_id}.pb")
+
+    def _kept_jobs(self) -> list[int]:
+        """The jobs whose definitions are on disk here (this daemon's, or an earlier one's in its job dir)."""
+        try:
+            names = os.listdir(self._job_dir)
+        except OSError:
+            return []
+        return [int(m.group(1)) for m in map(_JOB_FILE.fullmatch, names) if m]
+
+    def _forget_job(self, job_id: int) -> None:
+        """The dispatcher collected the job: its definition goes (a long-lived
+        worker kept every job's file, 2 MB each for a dataset shipped by value)."""
+        self._jobs.pop(job_id, None)
+        self._digests.pop(job_id, None)
+        try:
+            os.unlink(self.job_path(job_id))
+        except FileNotFoundError:
+            pass
+        log.debug("job definition removed: the dispatcher collected the job", extra=fields(job_id=job_id))
 
     def _rpc(self, method, request, timeout_s: float, track=None, retry_for_s: float | None = None):
         """A call to the dispatcher; its outages are one (logged when they start, every 30 s and when
@@ -143,7 +166,8 @@ class DispatcherAgent:
                                                  held_split_ids=self._scheduler.held_split_ids(),
                                                  load=self._scheduler.load(),
                                                  saturated=[dpb.ConsumerRef(job_id=j, consumer_index=c)
-                                                            for j, c in saturated])
+                                                            for j, c in saturated],
+                                                 job_ids=self._kept_jobs())
             try:
                 started = time.monotonic()
                 # Registered: a dispatcher outage is waited out, however long (it may come back from its journal).
@@ -156,6 +180,8 @@ class DispatcherAgent:
                     # stopping: pause the rest of the interval (until room frees here).
                     self._nudge.wait(interval - (time.monotonic() - started))
                 self._scheduler.release(response.release_split_ids)
+                for job_id in response.forget_job_ids:
+                    self._forget_job(job_id)
                 for split in response.splits:
                     log.debug("split taken", extra=fields(job_id=split.job_id, split_id=split.split_id,
                                                           consumer=split.consumer_index, epoch=split.epoch,
