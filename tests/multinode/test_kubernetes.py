@@ -121,6 +121,24 @@ TRAINER = textwrap.dedent("""
 """)
 
 
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_image_set_in_the_base_reaches_every_container_of_every_overlay(variant, tmp_path):
+    # README's step (`kustomize edit set image dpex=REGISTRY/dpex:TAG` in base) left the
+    # daemonset overlay's DaemonSet on dpex:latest (issue 61). The edit, as kustomize makes it:
+    import shutil
+    import yaml
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(DEPLOY, tree)
+    base = tree / "base" / "kustomization.yaml"
+    config = yaml.safe_load(base.read_text())
+    config["images"] = [{"name": "dpex", "newName": "registry.example/dpex", "newTag": "1.2.3"}]
+    base.write_text(yaml.safe_dump(config))
+    images = {c["image"] for obj in kube.render(str(tree / variant))
+              for c in (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [])}
+    assert images == {"registry.example/dpex:1.2.3"}
+
+
 @pytest.mark.skipif(not netns.available(), reason="needs root and ip netns")
 @needs_kubectl
 @pytest.mark.parametrize("variant", ["base", "overlays/daemonset", "overlays/tls"])
