@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpex.testing import test_cluster  # noqa: E402
@@ -39,6 +40,8 @@ def one(programs: int, steps: int, random: bool) -> int:
         except Exception as e:  # noqa: BLE001 - the counterexample, printed
             failed = e
     done.set()
+    if failed is not None:  # the whole of it: a flaky replay holds the first difference among its sub-exceptions
+        print("".join(traceback.format_exception(failed))[-20000:], flush=True)
     elapsed = time.monotonic() - start
     print(f"programs {Programs.programs}, steps {Programs.steps}, {elapsed:.0f} s "
           f"({elapsed / max(1, Programs.programs):.2f} s a program): "

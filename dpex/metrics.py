@@ -102,6 +102,12 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     forgotten.add_metric([], status.workers_forgotten_total)
     heartbeats = _counter("dpex_worker_heartbeats", "Worker heartbeats answered since the dispatcher started.")
     heartbeats.add_metric([], status.worker_heartbeats_total)
+    journal_errors = _counter("dpex_journal_write_errors", "Journal writes that failed (a full disk): each "
+                              "change refused as an outage.")
+    journal_errors.add_metric([], status.journal_write_errors_total)
+    journal_failing = _gauge("dpex_journal_failing", "1 while the journal cannot be written: changes are refused "
+                             "(UNAVAILABLE) until it can.")
+    journal_failing.add_metric([], int(status.journal_failing))
     job_labels = ["job_id", "job_name"]
     planned = _counter("dpex_job_batches_planned", "Batches planned by the job's trainers.", job_labels)
     delivered = _counter("dpex_job_batches_delivered", "Batches trainers acknowledged.", job_labels)
@@ -128,5 +134,6 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, wanted, assigned, reassigned, collected, forgotten, heartbeats, planned, delivered, pending,
+    return [workers, jobs, wanted, assigned, reassigned, collected, forgotten, heartbeats, journal_errors,
+            journal_failing, planned, delivered, pending,
             consumers, needed, job_needed, heartbeat, *loads]

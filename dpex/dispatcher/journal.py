@@ -86,7 +86,7 @@ class Journal:
         self.path = os.path.join(work_dir, name)
         existed = os.path.exists(self.path)
         self._updates, good = read_records(self.path)
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to write later
         if self._file.tell() != good:  # drop the torn tail before appending, a copy of it kept
             with open(self.path, "rb") as f:
                 f.seek(good)
@@ -105,11 +105,20 @@ class Journal:
         yield from updates
 
     def append(self, update: jpb.Update) -> None:
-        """Writes ``update`` to the OS; durable once :meth:`sync` returns after it."""
+        """Writes ``update`` to the OS; durable once :meth:`sync` returns after it.
+        A write that fails (a full disk) raises OSError and leaves the file as
+        it was: the part written is cut off, and nothing stays buffered to be
+        written later (the update does not take effect, so it must not be in
+        the journal either)."""
         payload = update.SerializeToString()
-        self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        record = memoryview(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+        try:
+            while record:
+                record = record[self._file.write(record):]
+        except OSError:
+            self._file.truncate(self.size)
+            raise
         self.size += _HEADER.size + len(payload)
-        self._file.flush()
 
     def sync(self) -> None:
         """Makes every record appended so far durable (from any thread)."""

@@ -10,6 +10,7 @@ import threading
 
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.scaling import Signals
+from dpex.errors import DpexError
 from dpex.log import fields
 from dpex.proto import journal_pb2 as jpb
 
@@ -37,7 +38,10 @@ class Reaper:
         config = self._j.config
         period = min(config.heartbeat_interval_s, config.heartbeat_timeout_s / 4, 1.0)
         while not self._stop.wait(period):
-            self.reap()
+            try:
+                self.reap()
+            except DpexError as e:  # e.g. the journal cannot be written (a full disk): again next round
+                log.debug("reaping deferred: %s", e)
 
     def reap(self) -> None:
         """One round: silent workers lost, silent consumers released, garbage collected."""

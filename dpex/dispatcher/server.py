@@ -89,6 +89,8 @@ class DispatcherServer:
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
         self.core = DispatcherCore(config)
+        if self.core.store is not None:
+            self.core.store.on_failing = self._journal_failing
         self.reaper = Reaper(self.core).start()
         self.service = DispatcherService(self.core)
         self._closed = False
@@ -132,6 +134,15 @@ class DispatcherServer:
                           server_credentials(config.tls_cert_file, config.tls_key_file))
             await server.start()
         return port
+
+    def _journal_failing(self, failing: bool) -> None:
+        """Health says NOT_SERVING while the journal cannot be written (its
+        disk is full): a probe sees the outage the callers see."""
+        from grpc_health.v1 import health_pb2
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if failing else health_pb2.HealthCheckResponse.SERVING
+        for health in self._healths:
+            for name in ("", "dpex.v1.Dispatcher"):
+                asyncio.run_coroutine_threadsafe(health.set(name, status), self._loop)
 
     async def _stop(self, grace_s: float) -> None:
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))

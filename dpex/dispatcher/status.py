@@ -23,6 +23,8 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                                          jobs_collected_total=state.jobs_collected_total,
                                          workers_forgotten_total=state.workers_forgotten_total,
                                          worker_heartbeats_total=j.heartbeats)
+        if j.store is not None:
+            response.journal_write_errors_total, response.journal_failing = j.store.write_errors, j.store.failing
         for w in state.workers.values():
             response.workers.add(worker_id=w.worker_id, address=w.address,
                                  state="alive" if w.alive else "left" if w.left else "lost",

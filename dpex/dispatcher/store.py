@@ -31,11 +31,12 @@ import re
 import struct
 import threading
 import zlib
+from typing import Callable
 
 from dpex.dispatcher import snapshot
 from dpex.dispatcher.journal import Journal, fsync_dir
 from dpex.dispatcher.state import DispatcherState
-from dpex.errors import DpexConfigError, DpexError
+from dpex.errors import DpexConfigError, DpexConnectionError, DpexError
 from dpex.proto import journal_pb2 as jpb
 
 log = logging.getLogger("dpex.dispatcher")
@@ -85,6 +86,9 @@ class Store:
         self._error: DpexError | None = None
         self._closing = False
         self._syncer: threading.Thread | None = None
+        self.failing = False   # the last write failed (a full disk): an outage until one succeeds
+        self.write_errors = 0  # writes that failed
+        self.on_failing: Callable[[bool], None] = lambda failing: None  # told when an outage starts and ends
 
     def recover(self) -> DispatcherState:
         """The state the work dir holds; appends go on after it."""
@@ -112,8 +116,25 @@ class Store:
 
     def append(self, update: jpb.Update) -> int:
         """Writes ``update`` (the caller applies it next); its position, durable
-        once :meth:`settle` returns for it."""
-        self.journal.append(update)
+        once :meth:`settle` returns for it. A write that fails (a full disk)
+        is an outage: DpexConnectionError (UNAVAILABLE, which clients retry),
+        the update not written nor to be applied, until a write succeeds."""
+        try:
+            self.journal.append(update)
+        except OSError as e:
+            self.write_errors += 1
+            if not self.failing:
+                self.failing = True
+                log.error("cannot write the journal in %s (%s): changes are refused as an outage "
+                          "(UNAVAILABLE; trainers and workers retry) until it can; free space on its disk",
+                          self.work_dir, e.strerror or e)
+                self.on_failing(True)
+            raise DpexConnectionError(f"the dispatcher cannot write its journal ({e.strerror or e}); "
+                                      "nothing was changed: retry once its disk has room") from None
+        if self.failing:
+            self.failing = False
+            log.warning("the journal in %s is written again: the outage is over", self.work_dir)
+            self.on_failing(False)
         with self._cond:
             self.appended += 1
             self._cond.notify()
@@ -187,23 +208,40 @@ class Store:
                                            or (plan_ended and size > max(snap // 2, _MIN_LOG)))
 
     def compact(self, state: DispatcherState) -> None:
-        """Snapshot of ``state`` (everything appended so far applied), then a new log."""
+        """Snapshot of ``state`` (everything appended so far applied), then a
+        new log; where the snapshot cannot be written (a full disk), the log
+        goes on as it is and a later compaction tries again."""
         snap = snapshot.take(state)
         snap.generation = self.generation + 1
         body = snap.SerializeToString()
         tmp = os.path.join(self.work_dir, SNAPSHOT + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(len(body), zlib.crc32(body)) + body)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(len(body), zlib.crc32(body)) + body)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            _unlink_quietly(tmp)
+            log.warning("could not compact the journal in %s (%s); the log goes on", self.work_dir, e.strerror or e)
+            return
         os.replace(tmp, os.path.join(self.work_dir, SNAPSHOT))
+        try:
+            self._start_generation(snap.generation, len(body))
+        except OSError as e:  # the snapshot holds everything, the old log is no longer read: stop here
+            error = DpexError(f"the dispatcher cannot start a new journal in {self.work_dir} ({e}); every call "
+                              "fails until it is restarted (it then recovers from its snapshot)")
+            log.critical("%s", error)
+            self._durable(self.durable, error)
+            raise error from None
+
+    def _start_generation(self, generation: int, snapshot_bytes: int) -> None:
         fsync_dir(self.work_dir)
         with self._io:
-            old, self.generation = self.journal, snap.generation
+            old, self.generation = self.journal, generation
             self.journal = Journal(self.work_dir, log_name(self.generation))
             old.close()
         os.unlink(old.path)
-        self._snapshot_bytes = len(body)
+        self._snapshot_bytes = snapshot_bytes
         self.snapshots_written += 1
         self._durable(self.appended)  # the snapshot holds all of it
 
@@ -221,3 +259,10 @@ def _resolve(futures: list[asyncio.Future], error: DpexError | None) -> None:
     for future in futures:
         if not future.done():  # (a call cancelled meanwhile)
             future.set_exception(error) if error is not None else future.set_result(None)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
