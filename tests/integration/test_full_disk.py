@@ -6,16 +6,13 @@ exactly once, and the journal holds what memory held (after a kill -9 the
 restarted dispatcher counts the same batches delivered). Before, trainers died
 at once with "OSError: [Errno 28]" and the buffered journal wrote refused acks
 later (issue 61)."""
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="needs root and unshare for a mount namespace")
+from dpex.testing import mounts
+
+pytestmark = pytest.mark.skipif(not mounts.available(), reason="needs root and unshare for a mount namespace")
 
 SCRIPT = textwrap.dedent("""
     import os, sys, threading
@@ -77,9 +74,6 @@ SCRIPT = textwrap.dedent("""
 def test_a_full_disk_under_the_journal_is_an_outage_ridden_out_exactly_once(tmp_path):
     work_dir = tmp_path / "work"
     work_dir.mkdir()
-    done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size=2m tmpfs {work_dir} && exec {sys.executable} -c \"$0\" {work_dir}", SCRIPT],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    done = mounts.run_with_tmpfs(SCRIPT, str(work_dir), "2m", str(work_dir))
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == "failing True errors True delivered 2000 of 2000", done.stdout

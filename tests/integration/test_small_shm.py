@@ -4,16 +4,13 @@ through the pipe, every one as torch's DataLoader makes it, and the worker
 says once why. Before, a batch process stacking into a file it had only
 ftruncate'd died of SIGBUS at its first page beyond the space (issue 61).
 Run in a mount namespace of its own with an 8 MB tmpfs on /dev/shm."""
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="needs root and unshare for a mount namespace")
+from dpex.testing import mounts
+
+pytestmark = pytest.mark.skipif(not mounts.available(), reason="needs root and unshare for a mount namespace")
 
 SCRIPT = textwrap.dedent("""
     import glob, torch, dpex
@@ -35,9 +32,6 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_batches_larger_than_dev_shm_come_through_the_pipe_and_the_worker_says_why():
-    done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs -o size=8m tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", SCRIPT],
-        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    done = mounts.run_with_tmpfs(SCRIPT, "/dev/shm", "8m", timeout_s=240)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == "said 1 bus False", done.stdout

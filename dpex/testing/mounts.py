@@ -1,0 +1,22 @@
+"""A small tmpfs where a test needs one: a Python script run in a mount
+namespace of its own (root only), so that the machine's mounts stay as they
+are. For a full /dev/shm or a full disk under a daemon."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+
+def available() -> bool:
+    """Mount namespaces can be made here (root, with util-linux's unshare)."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+def run_with_tmpfs(script: str, path: str, size: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """Runs ``python -c script *args`` with a tmpfs of ``size`` (e.g. "8m")
+    mounted on ``path`` for it alone; its output, captured."""
+    mount = f"mount -t tmpfs -o size={size} tmpfs {path} && exec {sys.executable} -c \"$0\" \"$@\""
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, script, *args],
+                          capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
