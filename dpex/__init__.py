@@ -35,6 +35,9 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from dpex.version import package
+        return package()
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dpex' has no attribute {name!r}")

@@ -82,6 +82,14 @@ def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
     return list(families.values())
 
 
+def build_info(versions: dpb.Versions) -> Metric:
+    """``dpex_build_info{version, protocol, torch, python} 1``: what the daemon runs (dpex.version)."""
+    info = _gauge("dpex_build_info", "What this daemon runs: the dpex release, its protocol, torch and Python.",
+                  ["version", "protocol", "torch", "python"])
+    info.add_metric([versions.dpex, str(versions.protocol), versions.torch, versions.python], 1)
+    return info
+
+
 def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     workers = _gauge("dpex_workers", "Registered workers by state.", ["state"])
     for state in ("alive", "lost", "left"):
@@ -134,6 +142,7 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
-    return [workers, jobs, wanted, assigned, reassigned, collected, forgotten, heartbeats, journal_errors,
+    return [build_info(status.versions), workers, jobs, wanted, assigned, reassigned, collected, forgotten,
+            heartbeats, journal_errors,
             journal_failing, planned, delivered, pending,
             consumers, needed, job_needed, heartbeat, *loads]

@@ -15,6 +15,17 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     setup(level, fmt)
 
 
+def version_option(fn):
+    """--version: the dpex release, its protocol, and the torch and Python it runs with."""
+    def show(ctx: click.Context, _: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            from dpex.version import describe
+            click.echo(f"{ctx.info_name} {describe().removeprefix('dpex ')}")
+            ctx.exit()
+    return click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show,
+                        help="Show the version and exit.")(fn)
+
+
 def log_options(fn):
     """--log-level and --log-format, for both daemons."""
     fn = click.option("--log-format", type=click.Choice(["text", "json"]), default="text",

@@ -5,11 +5,12 @@ from typing import Any
 
 import click
 
-from dpex.cmd.common import fail, tls_ca_option
+from dpex.cmd.common import fail, tls_ca_option, version_option
 from dpex.errors import DpexError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option
 def main() -> None:
     """Dpex operator commands."""
 
@@ -26,7 +27,7 @@ def _age(seconds: float) -> str:
 
 def render(status) -> str:
     count = {s: sum(w.state == s for w in status.workers) for s in ("alive", "lost", "left")}
-    lines = [f"dispatcher up {_age(status.uptime_s)}; splits assigned {status.splits_assigned_total}, "
+    lines = [f"dispatcher up {_age(status.uptime_s)} ({_versions(status.versions)}); splits assigned {status.splits_assigned_total}, "
              f"taken back from lost workers {status.splits_reassigned_total}; collected: "
              f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers; "
              f"workers needed by the trainers' rates: {status.workers_needed or '-'}",
@@ -34,11 +35,11 @@ def render(status) -> str:
              "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
-             "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "HEARTBEAT")]
+             "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "HEARTBEAT", "DPEX/TORCH")]
     for w in status.workers:
         load = w.load
         if w.state != "alive":  # no load of a worker that is gone
-            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 10, "-"))
+            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 10, "-", _versions(w.versions)))
             continue
         rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
                      f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
@@ -46,7 +47,7 @@ def render(status) -> str:
                      f"{load.share_hits} ({_mb(load.share_bytes)} kept)" if load.share_hits or load.share_bytes
                      else "-", _mb(load.sample_cache_bytes) if load.sample_cache_bytes else "-",
                      str(load.batches_sent),
-                     _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago"))
+                     _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago", _versions(w.versions)))
     lines += _table(rows)
     jobs = {s: [j for j in status.jobs if j.state == s] for s in ("running", "idle", "finished")}
     lines += ["", f"JOBS ({len(jobs['running'])} running, {len(jobs['idle'])} idle, "
@@ -62,6 +63,10 @@ def render(status) -> str:
                      j.shares or "-", j.sharing or "-"))
     lines += _table(rows)
     return "\n".join(lines)
+
+
+def _versions(v) -> str:
+    return f"{v.dpex or '?'}/{v.torch or '?'}"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -5,7 +5,7 @@ import click
 
 from dpex.auth import load_token
 from dpex.cmd.common import (ByteSize, auth_options, fail, log_options, message_limit_option, metrics_option,
-                             setup_logging, tls_ca_option)
+                             setup_logging, tls_ca_option, version_option)
 from dpex.config import WorkerConfig
 from dpex.daemon import exit_now
 from dpex.errors import DpexError
@@ -15,6 +15,7 @@ _W = WorkerConfig  # its fields' defaults are the flags'
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@version_option
 @click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
               help="The dispatcher's HOST:PORT.")
 @click.option("--port", type=int, default=_W.port, envvar="DPEX_PORT", show_envvar=True,

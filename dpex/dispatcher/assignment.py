@@ -34,7 +34,7 @@ def choose_splits(state: DispatcherState, worker_id: str, max_splits: int,
     siblings: dict[bytes, list[Plan]] = {}  # plans whose splits hold equal batches (dpex.worker.sharing)
     for job in state.jobs.values():
         for consumer, plan in job.plans.items():
-            if plan.finished or (saturated and (job.job_id, consumer) in saturated):
+            if plan.finished or (saturated and (job.job_id, consumer) in saturated) or not serves(worker, plan):
                 continue
             if plan.share_key:
                 siblings.setdefault(plan.share_key, []).append(plan)
@@ -112,3 +112,13 @@ def least_loaded_worker(state: DispatcherState) -> Worker | None:
     """The live worker holding the fewest splits."""
     alive = state.alive_workers()
     return min(alive, key=lambda w: (len(w.held), w.worker_id)) if alive else None
+
+
+def serves(worker: Worker, plan: Plan) -> bool:
+    """Whether the worker can make the plan's batches: a sampler described with
+    one torch release is run by workers of that release only (another's
+    samplers may draw other indices). A worker that did not say (an older
+    one) is given them, and refuses a mismatch itself."""
+    sampler = plan.sampler
+    return (sampler is None or sampler.kind == sampler.SHUFFLE or not sampler.torch_version
+            or not worker.versions.torch or sampler.torch_version == worker.versions.torch)

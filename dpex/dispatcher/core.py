@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import secrets
 
-from dpex.dispatcher import polls
+from dpex import version
+from dpex.dispatcher import assignment, polls
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.liveness import unreachable
 from dpex.dispatcher.state import Plan
@@ -33,12 +34,18 @@ class DispatcherCore(Journaled):
         self.trusted_only(peer, "registers workers (whose batches trainers unpickle)")
         if not request.address or ":" not in request.address:
             raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
+        if request.versions.protocol != version.PROTOCOL:
+            raise DpexConfigError(
+                f"this worker speaks another Dpex protocol: it is {version.describe(request.versions)}, the "
+                f"dispatcher {version.describe()}; install the same dpex release on the dispatcher and workers")
         worker_id = "w-" + secrets.token_hex(4)
         with self.lock:
-            self.apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address))
+            self.apply(register_worker=jpb.RegisterWorker(worker_id=worker_id, address=request.address,
+                                                          versions=request.versions))
             self.seen.worker(worker_id)
             self.seen.keep_workers(self.state.workers)  # one replaced on this address is gone
-        log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address))
+        log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address,
+                                                   versions=version.describe(request.versions)))
         return dpb.RegisterWorkerResponse(worker_id=worker_id)
 
     async def worker_heartbeat(self, request, peer: str):
@@ -171,6 +178,11 @@ class DispatcherCore(Journaled):
                                                     epoch=request.epoch, batches=plan.num_batches,
                                                     splits=plan.num_splits,
                                                     kind="sampler" if sampler else "file" if plan_file else "streams"))
+            alive = self.state.alive_workers()
+            if alive and not any(assignment.serves(w, plan) for w in alive):
+                log.warning("no live worker has torch %s, with which the trainer described this epoch's sampler: "
+                            "its splits wait for one (install that torch release on the workers)",
+                            plan.sampler.torch_version, extra=fields(job_id=request.job_id, epoch=request.epoch))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     async def sync_consumer(self, request, peer: str):

@@ -21,7 +21,7 @@ def take(state: DispatcherState) -> jpb.Snapshot:
                         jobs_collected_total=state.jobs_collected_total,
                         workers_forgotten_total=state.workers_forgotten_total)
     for w in state.workers.values():
-        snap.workers.add(worker_id=w.worker_id, address=w.address, alive=w.alive, left=w.left)
+        snap.workers.add(worker_id=w.worker_id, address=w.address, alive=w.alive, left=w.left, versions=w.versions)
     for job in state.jobs.values():
         out = snap.jobs.add(created=jpb.CreateJob(job_id=job.job_id, job=job.definition),
                             epochs=job.epochs, closed=sorted(job.closed),
@@ -58,7 +58,7 @@ def restore(snap: jpb.Snapshot) -> DispatcherState:
     state.jobs_collected_total = snap.jobs_collected_total
     state.workers_forgotten_total = snap.workers_forgotten_total
     for w in snap.workers:
-        state.workers[w.worker_id] = Worker(w.worker_id, w.address, w.alive, w.left)
+        state.workers[w.worker_id] = Worker(w.worker_id, w.address, w.alive, w.left, versions=w.versions)
     for j in snap.jobs:
         definition = dpb.JobDef()
         definition.CopyFrom(j.created.job)

@@ -50,6 +50,7 @@ class Worker:
     alive: bool = True
     left: bool = False  # deregistered (drained), not lost
     held: set[int] = field(default_factory=set)  # assigned splits not yet delivered
+    versions: dpb.Versions = field(default_factory=dpb.Versions)  # as it registered (dpex.version)
 
 
 @dataclass
@@ -239,7 +240,7 @@ class DispatcherState:
             if old.address == u.address:  # a restart on the same address replaces it
                 self._lose(old)
                 del self.workers[old.worker_id]
-        self.workers[u.worker_id] = Worker(u.worker_id, u.address)
+        self.workers[u.worker_id] = Worker(u.worker_id, u.address, versions=u.versions)
         self._alive = None
 
     def _apply_worker_lost(self, u: jpb.WorkerLost) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
+from dpex import version
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.state import Job
 from dpex.plan.spec import content_differences
@@ -23,6 +24,7 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                                          jobs_collected_total=state.jobs_collected_total,
                                          workers_forgotten_total=state.workers_forgotten_total,
                                          worker_heartbeats_total=j.heartbeats)
+        response.versions.CopyFrom(version.versions())
         if j.store is not None:
             response.journal_write_errors_total, response.journal_failing = j.store.write_errors, j.store.failing
         for w in state.workers.values():
@@ -30,6 +32,7 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                                  state="alive" if w.alive else "left" if w.left else "lost",
                                  splits_held=len(w.held),
                                  seconds_since_heartbeat=j.seen.since_heartbeat(w.worker_id),
+                                 versions=w.versions,
                                  load=j.seen.loads.get(w.worker_id) if w.alive else None)
         assigned = {job_id: 0 for job_id in state.jobs}
         for split in state.splits.values():

@@ -20,6 +20,7 @@ from dpex.rpc import Outage, call, channel
 from dpex.worker.scheduler import Scheduler
 from dpex.log import fields, set_context
 from dpex.plan.spec import share_digest
+from dpex.version import versions
 
 log = logging.getLogger("dpex.worker")
 
@@ -118,7 +119,7 @@ class DispatcherAgent:
 
     def _register(self) -> None:
         response = self._rpc(self._stub.RegisterWorker,
-                             dpb.RegisterWorkerRequest(address=self._address), timeout_s=10)
+                             dpb.RegisterWorkerRequest(address=self._address, versions=versions()), timeout_s=10)
         self.worker_id = response.worker_id
         self.registered.set()
         set_context(worker_id=self.worker_id)

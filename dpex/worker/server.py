@@ -16,7 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex.auth import server_credentials
-from dpex.metrics import MetricsServer, load_metrics
+from dpex.metrics import MetricsServer, build_info, load_metrics
+from dpex.version import versions
 from dpex.procutil import temp_dir
 from dpex.rpc import add_health, listen, server_interceptors, server_options
 from dpex import shm
@@ -151,7 +152,7 @@ class WorkerServer:
         for (job_id, consumer), (batches, nbytes) in self.scheduler.holdings().items():
             ready.add_metric([str(job_id), str(consumer)], batches)
             ready_bytes.add_metric([str(job_id), str(consumer)], nbytes)
-        return [held, busy, shm_bytes, ready, ready_bytes,
+        return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes,
                 *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:

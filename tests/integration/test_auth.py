@@ -11,6 +11,7 @@ import pytest
 
 import dpex
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import CHANNEL_OPTIONS, channel
 from dpex.testing import wait_until
@@ -97,7 +98,7 @@ def test_without_a_token_jobs_come_only_from_loopback(tmp_path, allow):
         # Jobs carry code for the workers; workers' batches are unpickled by trainers.
         calls = [("GetOrCreateJob", dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"x", num_consumers=1)),
                   dpb.GetOrCreateJobResponse, "job_id"),
-                 ("RegisterWorker", dpb.RegisterWorkerRequest(address="127.0.0.1:9"), dpb.RegisterWorkerResponse,
+                 ("RegisterWorker", dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:9"), dpb.RegisterWorkerResponse,
                   "worker_id")]
         for (method, request, response, field), (address, accepted) in itertools.product(
                 calls, ((f"127.0.0.1:{port}", True), (f"{host_ip()}:{port}", allow))):

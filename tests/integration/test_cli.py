@@ -28,6 +28,9 @@ def test_help(cmd, words):
     assert out.returncode == 0
     for word in words:
         assert word in out.stdout
+    from dpex import version
+    out = run(cmd[0], "--version")  # every command says what it is
+    assert out.returncode == 0 and out.stdout == f"{cmd[0]} {version.describe().removeprefix('dpex ')}\n"
 
 
 def test_status_at_a_workers_port_says_it_is_not_a_dispatcher(cluster):
@@ -47,6 +50,9 @@ def test_status_shows_workers_and_delivered_batches(cluster):
     got = tables(out.stdout)
     assert sorted(w["ADDRESS"] for w in got["WORKERS"]) == sorted(cluster.worker_addresses)
     assert {w["STATE"] for w in got["WORKERS"]} == {"alive"}
+    from dpex import version
+    assert {w["DPEX/TORCH"] for w in got["WORKERS"]} == {f"{version.package()}/{version.torch()}"}
+    assert f"({version.package()}/{version.torch()})" in out.stdout.splitlines()[0]  # the dispatcher's own
     # Workers report their load with each heartbeat: the 3 batches were produced and sent.
     wait_until(lambda: sum(int(w["SENT"]) for w in tables(run(
         "dpex", "status", "--dispatcher", cluster.address).stdout)["WORKERS"]) >= 3, 30, "loads reported")

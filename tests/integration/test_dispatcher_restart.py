@@ -71,6 +71,7 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
     from dpex.dispatcher.server import DispatcherServer
     from dpex.plan import samplers
     from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.version import versions
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     from dpex.testing import wait_until
 
@@ -83,7 +84,7 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
     try:
         with grpc.insecure_channel(server.address) as ch:
             stub = dgrpc.DispatcherStub(ch)
-            registered = stub.RegisterWorker.future(dpb.RegisterWorkerRequest(address="10.0.0.1:1"))
+            registered = stub.RegisterWorker.future(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.1:1"))
             wait_until(lambda: store.appended == 1, what="the registration written")
             assert not registered.done() and store.durable == 0
             gate.set()

@@ -9,6 +9,7 @@ import grpc
 
 from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.testing import test_cluster
 
@@ -26,7 +27,7 @@ async def _fleet(address: str, pid: int) -> tuple[list[float], list[float], int,
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(POLLS // 100)]
     stubs = [dgrpc.DispatcherStub(ch) for ch in channels]
-    ids = [(await stubs[0].RegisterWorker(dpb.RegisterWorkerRequest(address=f"10.1.{i // 250}.{i % 250}:1"),
+    ids = [(await stubs[0].RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address=f"10.1.{i // 250}.{i % 250}:1"),
                                           timeout=30)).worker_id for i in range(POLLS)]
 
     async def idle(k: int, worker_id: str) -> float:
@@ -104,7 +105,7 @@ def test_a_delivered_split_is_dropped_with_the_next_answer_a_cancelled_one_at_on
     with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=60,
                       split_size_batches=4) as c, grpc.insecure_channel(c.address) as ch:
         d = dgrpc.DispatcherStub(ch)
-        w = d.RegisterWorker(dpb.RegisterWorkerRequest(address="127.0.0.1:1")).worker_id
+        w = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1")).worker_id
         job = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
             name="settled", dataset=b"x", num_consumers=1, batch_size=4))).job_id
         sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=32, batch_size=4,

@@ -69,8 +69,12 @@ def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
             produced += wait_until(agreed, 30, "the heartbeat report")
         sent_bytes = [total(scrape(w.metrics_url), "dpex_worker_bytes_sent_total") for w in survivors]
         assert sum(produced) > 0 and sum(sent_bytes) > 0
+        from dpex import version
+        mine = dict(version=version.package(), protocol=version.PROTOCOL, torch=version.torch())
+        assert total(d, "dpex_build_info", **mine) == 1  # what each daemon runs
         for w in survivors:
             page = scrape(w.metrics_url)
+            assert total(page, "dpex_build_info", **mine) == 1
             assert total(page, "dpex_worker_processes") == 1
             assert 0 <= total(page, "dpex_worker_busy_fraction") <= 1
             assert total(page, "dpex_worker_busy_seconds_total") > 0

@@ -8,6 +8,7 @@ import pytest
 
 import dpex
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import channel
 from dpex.testing import descendants, pids_alive, test_cluster, wait_until
@@ -137,8 +138,8 @@ def test_a_lost_workers_split_names_what_was_delivered_to_its_new_owner():
     learns which batches the trainer acknowledged, so it does not make them again."""
     with test_cluster(num_workers=0, split_size_batches=4) as c, grpc.insecure_channel(c.address) as ch:
         d = dgrpc.DispatcherStub(ch)
-        a = d.RegisterWorker(dpb.RegisterWorkerRequest(address="127.0.0.1:1")).worker_id
-        b = d.RegisterWorker(dpb.RegisterWorkerRequest(address="127.0.0.1:2")).worker_id
+        a = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1")).worker_id
+        b = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:2")).worker_id
         job = dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec("dpex.testing.datasets:Squares", n=16)),
                          num_consumers=1)
         job_id = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=job)).job_id

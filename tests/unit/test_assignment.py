@@ -64,3 +64,19 @@ def test_the_same_split_of_plans_that_share_their_batches_goes_to_one_worker():
     assert sorted((s.splits[i].job_id, s.splits[i].first_seq) for i in mine) == [(1, 0), (2, 0)]
     theirs = assign(s, "b", 3)  # job 3 shares nothing: its own split, and the pair's next
     assert sorted((s.splits[i].job_id, s.splits[i].first_seq) for i in theirs) == [(1, 2), (2, 2), (3, 0)]
+
+
+def test_a_worker_of_another_torch_gets_no_split_of_a_sampler_described_with_this_one():
+    # A worker with torch 2.12 registered as alive and failed every epoch whose sampler the
+    # trainer described with torch 2.13 (issue 61): its splits now go to workers that can make them.
+    s = DispatcherState()
+    for worker_id, torch in (("old", "2.12.0"), ("new", "2.13.0")):
+        s.apply(jpb.Update(register_worker=jpb.RegisterWorker(
+            worker_id=worker_id, address=f"h:{worker_id}", versions=dpb.Versions(protocol=1, torch=torch))))
+    create_job(s)
+    s.apply(jpb.Update(submit_plan=jpb.SubmitPlan(
+        job_id=7, consumer_index=0, epoch=0, plan_hash=b"h", split_size=2, num_batches=6,
+        sampler=dpb.SamplerSpec(torch_version="2.13.0", length=6, batch_size=1))))
+    assert assign(s, "old", 4) == [] and len(assign(s, "new", 4)) == 3
+    submit(s, 6, epoch=1)  # explicit batches: any torch makes them
+    assert len(assign(s, "old", 4)) == 3

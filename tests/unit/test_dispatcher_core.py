@@ -8,12 +8,13 @@ import pytest
 from dpex.dispatcher.reaper import Reaper
 from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan
 
 
 def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_learns_their_owners(make_core):
     core = make_core()
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:7071"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:7071"), LOCAL).worker_id
     job_id = job(core)
     assert plan(core, job_id, 5).num_batches == 5
     splits = heartbeat(core, worker).splits
@@ -29,9 +30,9 @@ def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_
 def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make_core):
     core = make_core()
     with pytest.raises(DpexConfigError, match="HOST:PORT"):
-        core.register_worker(dpb.RegisterWorkerRequest(address="nowhere"), LOCAL)
+        core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="nowhere"), LOCAL)
     with pytest.raises(DpexAuthError, match="loopback"):
-        core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), "ipv4:10.0.0.9:5000")
+        core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), "ipv4:10.0.0.9:5000")
     with pytest.raises(DpexNotFoundError, match="unknown worker"):
         heartbeat(core, "w-nobody")
     with pytest.raises(DpexNotFoundError, match="unknown job 99"):
@@ -50,8 +51,8 @@ def test_bad_and_conflicting_requests_are_refused_with_dpex_errors(make_core):
 def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(make_core):
     clock = Clock()
     core = make_core(clock)
-    a = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
-    b = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.3:1"), LOCAL).worker_id
+    a = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
+    b = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.3:1"), LOCAL).worker_id
     plan(core, job(core), 4)
     taken = [s.split_id for s in heartbeat(core, a).splits]
     assert len(taken) == 2
@@ -67,7 +68,7 @@ def test_a_silent_worker_is_lost_and_its_splits_go_to_another_on_the_fake_clock(
 
 def test_a_restarted_dispatcher_recovers_workers_jobs_and_plans_from_its_journal(make_core, tmp_path):
     core = make_core(work_dir=str(tmp_path))
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
     job_id = job(core, "kept")
     plan(core, job_id, 6)
     held = [s.split_id for s in heartbeat(core, worker).splits]
@@ -100,3 +101,15 @@ def test_unequal_plans_of_an_epoch_are_refused_whatever_the_timing(make_core, tm
         plan(again, named, 4, consumer=1, epoch=0, client=9)
     restored = snapshot.restore(snapshot.take(again.state))
     assert restored.jobs[named].epoch_batches == again.state.jobs[named].epoch_batches == {0: (5, 0)}
+
+
+def test_a_worker_of_another_protocol_is_refused_naming_both_versions(make_core):
+    core = make_core()
+    other = dpb.Versions(dpex="0.0.9", protocol=0, torch="2.13.0", python="3.11.7")
+    with pytest.raises(DpexConfigError, match=r"it is dpex 0\.0\.9 \(protocol 0, torch 2\.13\.0, Python 3\.11\.7\), "
+                                              r"the dispatcher dpex .* \(protocol 1, "):
+        core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1", versions=other), LOCAL)
+    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1", versions=versions()), LOCAL)
+    (seen,) = core.status().workers
+    assert seen.worker_id == worker.worker_id and seen.versions == versions()
+    assert core.status().versions == versions()

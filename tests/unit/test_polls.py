@@ -8,6 +8,7 @@ import pytest
 
 from dpex.errors import DpexConnectionError
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from tests.unit.dispatching import LOCAL, heartbeat, job, plan
 
 
@@ -20,7 +21,7 @@ async def settle(task, rounds=20):
 
 def test_a_heartbeat_waits_through_a_delivery_and_answers_a_cancel_at_once(make_core):
     core = make_core(heartbeat_interval_s=30.0, heartbeat_timeout_s=120.0)
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
     job_id = job(core)
     plan(core, job_id, 4)
     held = [s.split_id for s in heartbeat(core, worker).splits]
@@ -41,7 +42,7 @@ def test_a_heartbeat_waits_through_a_delivery_and_answers_a_cancel_at_once(make_
 
 def test_a_sync_answers_when_its_owners_change(make_core):
     core = make_core(heartbeat_interval_s=30.0, heartbeat_timeout_s=120.0)
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
     job_id = job(core)
     plan(core, job_id, 4)
 
@@ -59,7 +60,7 @@ def test_a_sync_answers_when_its_owners_change(make_core):
 
 def test_a_dispatcher_that_stops_serving_ends_its_long_polls_as_an_outage(make_core):
     core = make_core(heartbeat_interval_s=30.0, heartbeat_timeout_s=120.0)
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
 
     async def run():
         task = asyncio.ensure_future(core.worker_heartbeat(dpb.WorkerHeartbeatRequest(

@@ -9,6 +9,7 @@ import pytest
 from dpex.dispatcher.reaper import Reaper
 from dpex.errors import JOB_COLLECTED, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan
 
 
@@ -16,7 +17,7 @@ def test_silence_and_idleness_are_collected_after_their_timeouts(make_core):
     clock = Clock()
     core = make_core(clock, heartbeat_timeout_s=20.0, consumer_timeout_s=30.0, worker_gc_timeout_s=60.0, job_gc_timeout_s=100.0)
     reaper = Reaper(core)
-    worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
     job_id = job(core)
     plan(core, job_id, 4)
     assert heartbeat(core, worker).splits
@@ -40,7 +41,7 @@ def test_silence_and_idleness_are_collected_after_their_timeouts(make_core):
 def test_the_thread_reaps_until_stopped(make_core):
     clock = Clock()
     core = make_core(clock)
-    core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL)
+    core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL)
     clock.now += 60  # past the 5 s heartbeat timeout
     reaper = Reaper(core).start()
     try:
@@ -61,7 +62,7 @@ def test_the_scaling_policy_looks_at_what_the_trainers_said_and_status_tells_why
     clock = Clock()
     core = make_core(clock, heartbeat_timeout_s=60.0, min_workers=1, max_workers=4, scale_cooldown_s=30.0)
     reaper = Reaper(core)
-    core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL)
+    core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL)
     job_id = job(core)
     plan(core, job_id, 8)
     reaper.reap()

@@ -4,13 +4,14 @@ workers the trainers' measured rates call for."""
 import asyncio
 
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.version import versions
 from tests.unit.dispatching import LOCAL, heartbeat, job, plan
 
 
 def test_workers_jobs_and_what_the_trainers_need(make_core):
     core = make_core()
-    a = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1"), LOCAL).worker_id
-    b = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.3:1"), LOCAL).worker_id
+    a = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
+    b = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.3:1"), LOCAL).worker_id
     core.deregister_worker(dpb.DeregisterWorkerRequest(worker_id=b), LOCAL)
     job_id = job(core, "seen", consumers=2)
     plan(core, job_id, 7)  # 4 splits of 2
