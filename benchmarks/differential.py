@@ -13,8 +13,10 @@ run side by side on two cores. Each run prints its count every minute.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -39,6 +41,10 @@ def one(programs: int, steps: int, random: bool) -> int:
             run(cluster.address, programs, steps, derandomize=not random)
         except Exception as e:  # noqa: BLE001 - the counterexample, printed
             failed = e
+            kept = tempfile.mkdtemp(prefix=f"dpex-differential-{os.getpid()}-")
+            for daemon in (cluster.dispatcher, *cluster.workers):  # what the daemons saw, kept
+                shutil.copy(daemon.log_path, kept)
+            print(f"the cluster's logs: {kept}", flush=True)
     done.set()
     if failed is not None:  # the whole of it: a flaky replay holds the first difference among its sub-exceptions
         print("".join(traceback.format_exception(failed))[-20000:], flush=True)
