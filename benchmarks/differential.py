@@ -36,7 +36,8 @@ def one(programs: int, steps: int, random: bool) -> int:
             print(f"... {Programs.programs} programs, {Programs.steps} steps, {time.monotonic() - start:.0f} s",
                   flush=True)
     threading.Thread(target=progress, daemon=True).start()
-    with test_cluster(num_workers=2, processes=1) as cluster:
+    # Timeouts for a loaded machine (--jobs runs side by side): no live daemon or trainer is taken for gone.
+    with test_cluster(num_workers=2, processes=1, heartbeat_timeout_s=10.0, consumer_timeout_s=60.0) as cluster:
         try:
             run(cluster.address, programs, steps, derandomize=not random)
         except Exception as e:  # noqa: BLE001 - the counterexample, printed

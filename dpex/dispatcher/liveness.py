@@ -15,6 +15,7 @@ class Liveness:
         self._workers: dict[str, float] = {}                 # worker id -> last heartbeat
         self._lost: dict[str, float] = {}                    # worker id -> when it was lost or left
         self._consumers: dict[tuple[int, int], float] = {}   # (job, consumer) -> last sync
+        self._released: set[tuple[int, int]] = set()         # (job, consumer)s released for their silence
         self._jobs: dict[int, float] = {}                    # job id -> last call about it
         self.loads: dict[str, dpb.WorkerLoad] = {}           # worker id -> its last reported load
         self._needs: dict[tuple[int, int], tuple[int, float]] = {}  # (job, consumer) -> (workers needed, when)
@@ -31,6 +32,7 @@ class Liveness:
     def consumer(self, job_id: int, consumer: int, workers_needed: int = 0, wait_fraction: float = 0.0,
                  batches_per_s: float = 0.0) -> None:
         now = self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
+        self._released.discard((job_id, consumer))  # heard of with a plan: whatever fails later is not that
         if workers_needed:
             self._needs[(job_id, consumer)] = (workers_needed, now)
             self._demand[(job_id, consumer)] = (wait_fraction, batches_per_s, now)
@@ -63,6 +65,16 @@ class Liveness:
     def consumer_heard_within(self, job_id: int, consumer: int, seconds: float) -> bool:
         seen = self._consumers.get((job_id, consumer))
         return seen is not None and self.clock() - seen <= seconds
+
+    def released_silent(self, job_id: int, consumer: int) -> None:
+        """The reaper released the consumer's plan for its silence: a trainer
+        that was only stalled and syncs again is told so (:meth:`was_released`)."""
+        self._released.add((job_id, consumer))
+        while len(self._released) > 4096:
+            self._released.pop()
+
+    def was_released(self, job_id: int, consumer: int) -> bool:
+        return (job_id, consumer) in self._released
 
     def forget_consumer(self, job_id: int, consumer: int) -> None:
         self._consumers.pop((job_id, consumer), None)

@@ -70,6 +70,11 @@ async def sync(j: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> dpb
         j.claim(request, peer, job.definition.name)  # again after a restart of this dispatcher
         plan = j.state.plan(request.job_id, request.consumer_index, request.epoch)
         if plan is None:
+            if j.seen.was_released(request.job_id, request.consumer_index):
+                raise DpexNotFoundError(
+                    f"job {request.job_id} consumer {request.consumer_index} epoch {request.epoch} was released: "
+                    f"its trainer had not synced for {j.config.consumer_timeout_s:g}s (the dispatcher's "
+                    "--consumer-timeout) and was taken for gone; a trainer stalled that long needs a longer one")
             raise DpexNotFoundError(
                 f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                 f"epoch {request.epoch} (another trainer may have replaced it)")

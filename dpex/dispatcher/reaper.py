@@ -62,6 +62,7 @@ class Reaper:
                                 extra=fields(job_id=job_id, consumer=consumer))
                     j.apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id, consumer_index=consumer,
                                                                  closed=True))
+                    j.seen.released_silent(job_id, consumer)
             self._collect()
             self._scale()
             j.plan_files.keep({p.plan_file for job in j.state.jobs.values()

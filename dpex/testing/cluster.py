@@ -15,7 +15,9 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
     kwargs.setdefault("heartbeat_interval_s", 0.2)
     kwargs.setdefault("heartbeat_timeout_s", 1.5)
     kwargs.setdefault("split_size_batches", 2)
-    kwargs.setdefault("consumer_timeout_s", 3.0)
+    # Long enough that a live trainer on a loaded machine (the suite's two processes, the
+    # differential tester's parallel runs) is never taken for gone; tests of a trainer's loss set 3 s.
+    kwargs.setdefault("consumer_timeout_s", 10.0)
     # Every batch through a /dev/shm hand-off file, so that the same-host path
     # meets every failure the tests make.
     kwargs.setdefault("worker_flags", ("--shm-min-kb", "0"))

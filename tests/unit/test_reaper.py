@@ -2,6 +2,7 @@
 released, a lost worker is forgotten and an idle job collected after their
 timeouts (a trainer coming back is told what happened), and the thread
 started by the server stops with it."""
+import asyncio
 import threading
 
 import pytest
@@ -28,6 +29,10 @@ def test_silence_and_idleness_are_collected_after_their_timeouts(make_core):
     reaper.reap()
     status = core.status()
     assert status.jobs[0].state == "finished" and status.workers[0].state == "lost"
+    # A trainer that was only stalled syncs again: told why its epoch is gone (not "another trainer").
+    with pytest.raises(DpexNotFoundError, match=r"epoch 0 was released: its trainer had not synced for 30s "
+                                                r"\(the dispatcher's --consumer-timeout\)"):
+        asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1), LOCAL))
     clock.now += 61
     reaper.reap()
     assert [w.worker_id for w in core.status().workers] == [] and len(core.status().jobs) == 1
