@@ -199,5 +199,5 @@ def test_cli_option_envvars_are_what_the_manifests_may_use():
     from dpex.cmd.worker import main as worker_cli
     for cli in (dispatcher_cli, worker_cli):
         missing = [p.name for p in cli.params if isinstance(p, click.Option) and not p.envvar
-                   and not p.hidden and p.name != "help"]
+                   and not p.hidden and p.name not in ("help", "version")]
         assert not missing, f"{cli.name}: options without a DPEX_ variable: {missing}"
