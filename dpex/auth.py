@@ -62,6 +62,17 @@ def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.Serv
     return grpc.ssl_server_credentials([(read_pem(key_file, "key"), read_pem(cert_file, "certificate"))])
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a daemon bound to ``host`` listens on loopback only (not 0.0.0.0, ::, or a host's address)."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: whatever it resolves to may be reachable
+        return False
+
+
 def is_loopback_peer(peer: str) -> bool:
     """``context.peer()`` of a loopback client: ipv4:127.x, ipv6:[::1] or a unix socket."""
     return peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:"))

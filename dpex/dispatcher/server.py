@@ -32,7 +32,7 @@ from dpex.dispatcher.core import DispatcherCore
 from dpex.dispatcher.reaper import Reaper
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.auth import server_credentials
+from dpex.auth import is_loopback_host, server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics
 from dpex.errors import DpexConfigError
 from dpex.rpc import add_async_health, add_servicer, listen, server_interceptors, server_options
@@ -110,12 +110,14 @@ class DispatcherServer:
             raise
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
         self.address = f"{host}:{self.port}"
-        log.info("dispatcher listening on %s:%d (%s); %s", config.host, self.port,
-                 "TLS" if config.tls_cert_file else "plaintext",
-                 "auth: a token is required on every call" if config.auth_token else
-                 "auth: NONE - anyone who can reach this port may call it; jobs (shipped code) are "
-                 + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated
-                    else "accepted from loopback peers only"))
+        # Without a token beyond loopback anyone on the network may call: said as a warning.
+        exposed = not config.auth_token and not is_loopback_host(config.host)
+        log.log(logging.WARNING if exposed else logging.INFO, "dispatcher listening on %s:%d (%s); %s",
+                config.host, self.port, "TLS" if config.tls_cert_file else "plaintext",
+                "auth: a token is required on every call" if config.auth_token else
+                "auth: NONE - anyone who can reach this port may call it; jobs (shipped code) are "
+                + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated
+                   else "accepted from loopback peers only"))
 
     async def _start(self, config: DispatcherConfig) -> int:
         """Starts the servers; the port they share."""

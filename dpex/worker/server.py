@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
-from dpex.auth import server_credentials
+from dpex.auth import is_loopback_host, server_credentials
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
 from dpex.procutil import temp_dir
@@ -129,10 +129,11 @@ class WorkerServer:
         except BaseException:
             self.close()
             raise
-        log.info("worker serving on %s (%s) with %d processes; %s", self.address,
-                 "TLS" if config.tls_cert_file else "plaintext", config.processes,
-                 "auth: a token is required on every call" if config.auth_token else
-                 "auth: NONE - anyone who can reach this port may fetch batches")
+        exposed = not config.auth_token and not is_loopback_host(config.host)  # said as a warning
+        log.log(logging.WARNING if exposed else logging.INFO, "worker serving on %s (%s) with %d processes; %s",
+                self.address, "TLS" if config.tls_cert_file else "plaintext", config.processes,
+                "auth: a token is required on every call" if config.auth_token else
+                "auth: NONE - anyone who can reach this port may fetch batches")
 
     def _metrics(self) -> list:
         held = GaugeMetricFamily("dpex_worker_splits_held", "Splits this worker holds.")

@@ -113,3 +113,19 @@ def test_a_worker_of_another_protocol_is_refused_naming_both_versions(make_core)
     (seen,) = core.status().workers
     assert seen.worker_id == worker.worker_id and seen.versions == versions()
     assert core.status().versions == versions()
+
+
+@pytest.mark.parametrize("host,token,level", [("0.0.0.0", None, "WARNING"), ("127.0.0.1", None, "INFO"),
+                                              ("0.0.0.0", "s3cret", "INFO")])
+def test_listening_beyond_loopback_without_a_token_is_a_warning(host, token, level, caplog):
+    # "auth: none" on every interface was an INFO line among others (issue 61).
+    import logging
+    from dpex.config import DispatcherConfig
+    from dpex.dispatcher.server import DispatcherServer
+    caplog.set_level(logging.INFO, logger="dpex.dispatcher")
+    server = DispatcherServer(DispatcherConfig(host=host, port=0, auth_token=token))
+    try:
+        (line,) = [r for r in caplog.records if r.getMessage().startswith("dispatcher listening on")]
+        assert line.levelname == level and ("auth: NONE" in line.getMessage()) == (token is None)
+    finally:
+        server.close(0)
