@@ -43,18 +43,19 @@ def in_trainer(dataset: Any) -> DatasetSeen:
 
 
 def on_workers(alive: Callable[[], list[str]], job_id: int, token: str | None, tls_ca: bytes | None,
-               wait_s: float, target: str) -> DatasetSeen:
+               wait_s: float, target: str, timeout_s: float | None = None) -> DatasetSeen:
     """Asks every live worker (``alive()``: their addresses) to build the
     job's dataset, in parallel: its length (-1: none), its fingerprint, and
     whether it is an IterableDataset. Workers whose copies disagree are an
     error now; one that joins later is checked by its first batch. Waits up
-    to ``wait_s`` for a first worker."""
+    to ``wait_s`` for a first worker, and ``timeout_s`` (the loader's
+    ``timeout``; None: 300 s) for a worker's answer."""
     def one(address: str) -> wpb.InspectResponse | None:
         try:
             ch = channel(address, token, tls_ca)
             try:
                 return call(wgrpc.WorkerStub(ch).Inspect, wpb.InspectRequest(job_id=job_id),
-                            target=f"worker {address}", timeout_s=300)
+                            target=f"worker {address}", timeout_s=300 if timeout_s is None else timeout_s)
             finally:
                 ch.close()
         except DpexConnectionError as e:

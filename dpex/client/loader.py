@@ -237,7 +237,7 @@ class RemoteDataLoader:
             if not (self.embedded and self._instance is not None):  # else at the first iter()
                 self._connect()
             self._dataset = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
-                self._alive_workers, self.job_id, self._token, ca, self._connect_timeout, self._target))
+                self._alive_workers, self.job_id, self._token, ca, self._connect_timeout, self._target, self.timeout))
             self._plans = EpochPlans(
                 self._dataset.length, self._dataset.iterable, batch_size=batch_size, drop_last=drop_last,
                 shuffle=shuffle, seed=seed, sampler=sampler, batch_sampler=batch_sampler, generator=generator,

@@ -90,6 +90,18 @@ class Slow(Squares):
         return super().__getitem__(i)
 
 
+class SlowToBuild(Squares):
+    """Squares whose building (on a worker) waits while the file ``path`` exists (at most a minute)."""
+
+    def __init__(self, n: int, path: str) -> None:
+        import os
+        import time
+        super().__init__(n)
+        deadline = time.monotonic() + 60
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class SlowWhile(Squares):
     """Squares that take ``delay_s`` per sample while the file ``path`` exists."""
 

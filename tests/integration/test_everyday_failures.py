@@ -175,3 +175,17 @@ def test_a_wrong_address_fails_within_the_loaders_timeout(dataset):
     with pytest.raises(dpex.DpexConnectionError, match="cannot reach dispatcher 127.0.0.1:1"):
         dpex.RemoteDataLoader("127.0.0.1:1", dataset, timeout=2)
     assert time.monotonic() - started < 2 + 3  # not connect_timeout's 30 s
+
+
+def test_a_worker_slow_to_build_the_dataset_fails_the_constructor_within_the_loaders_timeout(tmp_path):
+    # The constructor asks a worker to build the dataset (Inspect) and waited up to 300 s for it,
+    # whatever the loader's timeout (issue 61: a loader given timeout=15 hung for 300 s).
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    with test_cluster(num_workers=1) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:SlowToBuild", 8, str(hold))
+        started = time.monotonic()
+        with pytest.raises(dpex.DpexTimeoutError, match=r"worker 127\.0\.0\.1:\d+"):
+            dpex.RemoteDataLoader(c.address, spec, batch_size=2, timeout=2)
+        assert time.monotonic() - started < 2 + 5
+        hold.unlink()  # the worker's build ends: nothing is left waiting
