@@ -36,9 +36,8 @@ class Claims:
              takeover: bool = False) -> None:
         """Claims consumer ``key`` = (job, consumer) for ``client_id``. Refused
         while another loader holds it and it is ``busy`` (mid-epoch and syncing),
-        unless ``takeover`` (a resumed epoch). ``client_id`` 0: an older client, not checked."""
-        if not client_id:
-            return
+        unless ``takeover`` (a resumed epoch). ``client_id`` 0 is an id as any
+        other (no bypass: a forged call with 0 stalled or cancelled a trainer's epoch)."""
         claim = self._held.get(key)
         if claim is not None and claim.client_id == client_id:
             return
@@ -61,9 +60,9 @@ class Claims:
         return False
 
     def holds(self, key: tuple[int, int], client_id: int) -> bool:
-        """Whether ``client_id`` may act for consumer ``key`` (it holds it, nobody does, or it is an older client)."""
+        """Whether ``client_id`` may act for consumer ``key`` (it holds it, or nobody does)."""
         claim = self._held.get(key)
-        return not client_id or claim is None or claim.client_id == client_id
+        return claim is None or claim.client_id == client_id
 
     def release(self, key: tuple[int, int], client_id: int) -> None:
         if self.holds(key, client_id):

@@ -131,3 +131,23 @@ def test_health_checks_answer_without_a_token(secured):
             for name in ("", service):
                 got = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
                 assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_forged_call_without_a_client_id_neither_acks_nor_cancels_a_trainers_epoch(cluster):
+    # SyncConsumer and ReleaseConsumer with client_id=0 passed the ownership check: forged acks stalled a
+    # trainer ("176 batches missing") and a forged release cancelled its epoch (issue 61).
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=2, job_name="victim", timeout=30) as dl:
+        it = iter(dl)
+        got = next(it)["y"].tolist()
+        stub = dgrpc.DispatcherStub(channel(cluster.address))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SyncConsumer(dpb.SyncConsumerRequest(job_id=dl.job_id, consumer_index=0, epoch=0,
+                                                      delivered_seqs=list(range(20)), client_id=0), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS and "in use by another loader" in \
+            refused.value.details()
+        stub.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=dl.job_id, consumer_index=0, epoch=0, client_id=0),
+                             timeout=10)  # answered, and nothing done
+        got += [y for batch in it for y in batch["y"].tolist()]
+    assert got == list(range(40))

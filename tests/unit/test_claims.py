@@ -33,11 +33,16 @@ def test_an_idle_consumer_or_a_resume_changes_hands_and_a_release_frees_it():
     assert claims.holds(KEY, 5)
 
 
-def test_an_older_client_without_an_id_is_not_checked():
+def test_a_call_without_an_id_is_no_bypass():
+    # client_id=0 was let through: a forged SyncConsumer or ReleaseConsumer stalled or cancelled a
+    # trainer's epoch (issue 61). It is an id as any other: refused while another loader holds the consumer.
     claims = Claims()
     claims.take(KEY, 1, "a", "", busy=True)
-    claims.take(KEY, 0, "b", "", busy=True)
-    assert claims.holds(KEY, 0) and claims.holds(KEY, 1)
+    with pytest.raises(DpexConflictError, match="in use by another loader"):
+        claims.take(KEY, 0, "b", "", busy=True)
+    assert not claims.holds(KEY, 0) and claims.holds(KEY, 1)
+    claims.release(KEY, 0)  # not its to release
+    assert claims.holds(KEY, 1) and not claims.holds(KEY, 0)
 
 
 def test_a_holder_whose_connection_ended_frees_the_consumer_at_once():
