@@ -100,31 +100,11 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
             samples.load_state_dict(saved.iterator)
         stateful = (_stateful(job.dataset) and not own, _stateful(samples))
         while True:
-            stage = "iterate"
-            if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
-                item = next(samples, _END)
-                if item is _END:
-                    break
-                batch = item
-            else:
-                # next() on the iterator, as torch's fetcher: not islice, whose iter() would restart a
-                # dataset that is its own iterator (and resets itself in __iter__).
-                batch = []
-                while len(batch) < job.batch_size and (item := next(samples, _END)) is not _END:
-                    batch.append(item)
-                if not batch or (job.drop_last and len(batch) < job.batch_size):
-                    break
-            stage = "state_dict"  # a stream without one is resumed by running it again from its start
-            states = (job.dataset.state_dict() if stateful[0] else None,
-                      samples.state_dict() if stateful[1] else None)
-            stage = "collate"
-            collated = runtime.collate(job, batch)
-            state = b""
-            if any(stateful):  # the generators as collate_fn left them: where the next batch draws from
-                state = cloudpickle.dumps(_Resumable(states[0], seeding.global_states() if job.keyed else None,
-                                                     states[1]))
-            stage = "encode"
-            frame = b"".join(frame_parts(meta(split, j, stream_state=state), wire.encode_parts(collated)))
+            # A batch's error (its items' next(), collate_fn, ...) is that batch's, and the stream goes
+            # on, as torch's worker loop does: a generator that raised then ends at its next next().
+            frame = _next_frame(job, samples, stateful, split, j)
+            if frame is None:
+                break
             if not send(frame):
                 return
             j += 1
@@ -137,6 +117,36 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
     # The dataset as this epoch leaves it, for the next epoch's stream k (which may run on another worker).
     send(meta(split, j, end_of_stream=True, stream_state=_replica(job.dataset) if keeps else b"").SerializeToString())
 
+
+def _next_frame(job: Any, samples: Any, stateful: tuple[bool, bool], split: dict, j: int) -> bytes | None:
+    """Batch ``j`` of the stream as a frame, or its error's; None at the stream's end."""
+    stage = "iterate"
+    try:
+        if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
+            batch = next(samples, _END)
+            if batch is _END:
+                return None
+        else:
+            # next() on the iterator, as torch's fetcher: not islice, whose iter() would restart a
+            # dataset that is its own iterator (and resets itself in __iter__).
+            batch = []
+            while len(batch) < job.batch_size and (item := next(samples, _END)) is not _END:
+                batch.append(item)
+            if not batch or (job.drop_last and len(batch) < job.batch_size):
+                return None
+        stage = "state_dict"  # a stream without one is resumed by running it again from its start
+        states = (job.dataset.state_dict() if stateful[0] else None,
+                  samples.state_dict() if stateful[1] else None)
+        stage = "collate"
+        collated = runtime.collate(job, batch)
+        state = b""
+        if any(stateful):  # the generators as collate_fn left them: where the next batch draws from
+            state = cloudpickle.dumps(_Resumable(states[0], seeding.global_states() if job.keyed else None,
+                                                 states[1]))
+        stage = "encode"
+        return b"".join(frame_parts(meta(split, j, stream_state=state), wire.encode_parts(collated)))
+    except Exception as e:
+        return meta(split, j, error=runtime.remote_error(e, stage, process=split["stream"])).SerializeToString()
 
 def _replica(dataset: Any) -> bytes:
     """The dataset, pickled for the next epoch; empty where it does not

@@ -36,6 +36,14 @@ FOUND = {
     "a checkpoint through JSON mid-epoch": (dict(MAP, sampler="subset", num_workers=2), [
         ("iterate", {"slot": 0}), ("next_", {"data": Slot(0)}), ("checkpoint", {"through_json": True}),
         ("finish", {"data": Slot(0)}), ("iterate", {"slot": 1}), ("finish", {"data": Slot(1)})]),
+    # An IterableDataset's stream ended at a batch's error (here collate_fn on batch_size=None's single
+    # items); torch's worker raises it and goes on with the next item (found by the 4-wide long run).
+    "an iterable stream goes on after a batch's error": (
+        dict(MAP, iterable=True, length=5, batch_size=None, shuffle=False, sampler="none", num_workers=1,
+             persistent=True, in_order=False, collate=True, cache=False), [
+            ("iterate", {"slot": 0}), ("break_", {"data": Slot(0)}), ("iterate", {"slot": 0}),
+            ("next_", {"data": Slot(0)}), ("set_epoch", {"epoch": 0}), ("next_", {"data": Slot(0)}),
+            ("finish", {"data": Slot(0)})]),
 }
 
 
