@@ -32,7 +32,12 @@ _CACHED_ORDERS = 4  # epochs' orders a process keeps (current and next, of a few
 
 def torch_version() -> str:
     """The torch release whose samplers this process runs ("2.13.0"; no build tag:
-    CPU and CUDA wheels of a release draw the same numbers on the CPU generator)."""
+    CPU and CUDA wheels of a release draw the same numbers on the CPU generator):
+    dpex.version's, which workers register with (the dispatcher routes by it),
+    else (a torch without package metadata) the module's own."""
+    from dpex import version
+    if version.torch():
+        return version.torch()
     import torch
     return torch.__version__.split("+")[0]
 
