@@ -89,8 +89,14 @@ def _refuse(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
 
 
+async def _refuse_async(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)  # a stream's too (a sync one would hang)
+
+
 class TokenCheck(grpc.ServerInterceptor):
     """Rejects every call that does not carry the token (health checks excepted)."""
+
+    _refusal: Callable = staticmethod(_refuse)
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -106,11 +112,13 @@ class TokenCheck(grpc.ServerInterceptor):
             return handler
         # Refuse in the method's own shape (a streaming method needs a streaming handler).
         shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
-        return _HANDLERS[shape](_refuse)
+        return _HANDLERS[shape](self._refusal)
 
 
 class AsyncTokenCheck(grpc.aio.ServerInterceptor, TokenCheck):
-    """:class:`TokenCheck` for a ``grpc.aio`` server (the refusal runs in its thread pool)."""
+    """:class:`TokenCheck` for a ``grpc.aio`` server (the refusal a coroutine)."""
+
+    _refusal = staticmethod(_refuse_async)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         return self._check(details, await continuation(details))

@@ -68,6 +68,7 @@ class WorkerConfig:
     buffer_batches: int | None = None    # each consumer's batches made ahead of requests; None: max(8, processes)
     buffer_bytes: int = 1 << 30          # memory for batches made ahead, shared equally by consumers
     max_held_splits: int = 4             # splits taken from the dispatcher at once
+    max_loaders: int = 4096              # open Fetch streams (a loader's, kept between epochs) served at once
     heartbeat_interval_s: float = 5.0    # as the dispatcher's (the same $DPEX_HEARTBEAT_INTERVAL)
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked or sent
@@ -101,6 +102,7 @@ class WorkerConfig:
         _check(self.buffer_batches >= 1, "buffer_batches must be >= 1")
         _check(self.buffer_bytes >= 1 << 20, "buffer_bytes must be >= 1 MiB")
         _check(self.max_held_splits >= 1, "max_held_splits must be >= 1")
+        _check(self.max_loaders >= 1, f"max_loaders must be >= 1, got {self.max_loaders}")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
         _check(self.connect_timeout_s >= 0, "connect_timeout_s must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")

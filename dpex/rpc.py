@@ -97,7 +97,9 @@ def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return errors.DpexAuthError(f"{target} refused us: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return errors.DpexConfigError(f"{target} refused a message over its size limit: {details}")
+        if "larger than max" in details:  # grpc's own words
+            return errors.DpexConfigError(f"{target} refused a message over its size limit: {details}")
+        return errors.DpexConfigError(f"{target} refused: {details}")  # a limit of the peer's, it says which
     if code == grpc.StatusCode.UNIMPLEMENTED:  # e.g. a worker's port given for the dispatcher's
         return errors.DpexConfigError(
             f"{target} does not serve this call ({details}): is that address really a Dpex "

@@ -22,7 +22,7 @@ from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConnectionErro
 from dpex.plan.seq import stream_of
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
-from dpex.rpc import Outage, call
+from dpex.rpc import Outage, call, to_dpex_error
 from dpex.client import decode
 from dpex.client.checkpoint import Progress
 from dpex.client.inspect import DatasetSeen
@@ -442,6 +442,9 @@ class EpochFetcher:
             return False
         assert isinstance(got, Received)
         if got.frame is None:
+            if isinstance(got.error, grpc.RpcError) and got.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.close()  # the worker refused this loader (its --max-loaders): asking again would not help
+                raise to_dpex_error(got.error, f"worker {got.address}") from None
             failures = self._router.stream_failed(got.address)
             if failures % 10 == 1:  # a dead worker fails every backoff until the dispatcher notices
                 log.warning("stream to worker %s failed (%s, %d times); asking for its batches again",

@@ -33,6 +33,10 @@ _W = WorkerConfig  # its fields' defaults are the flags'
 @click.option("--max-splits", type=int, default=_W.max_held_splits, envvar="DPEX_MAX_SPLITS", show_envvar=True,
               help="Splits with work left taken from the dispatcher at once (one more at a time while they "
               "hold fewer batches than 2 x --processes).")
+@click.option("--max-loaders", type=int, default=_W.max_loaders, envvar="DPEX_MAX_LOADERS", show_envvar=True,
+              help="Open loaders (trainers' DpexDataLoaders, one stream each, kept between epochs) served at "
+              "once; the next is refused with an error that says so, and counted in "
+              "dpex_worker_fetch_refused_total. An open loader holds no thread, only memory.")
 @click.option("--heartbeat-interval", type=float, default=_W.heartbeat_interval_s, envvar="DPEX_HEARTBEAT_INTERVAL",
               show_envvar=True, help="Seconds between heartbeats to the dispatcher (as the dispatcher's).")
 @click.option("--connect-timeout", type=float, default=_W.connect_timeout_s, envvar="DPEX_CONNECT_TIMEOUT",
@@ -74,7 +78,8 @@ _W = WorkerConfig  # its fields' defaults are the flags'
 @tls_ca_option
 @click.option("--ready-file", default=None, hidden=True, help="Write the address here once serving.")
 def main(dispatcher: str, port: int, host: str, advertise_host: str | None, processes: int,
-         buffer_batches: int | None, buffer_mb: float, max_splits: int, heartbeat_interval: float,
+         buffer_batches: int | None, buffer_mb: float, max_splits: int, max_loaders: int,
+         heartbeat_interval: float,
          connect_timeout: float,
          max_message_mb: float, shm: bool, shm_min_kb: int, data_port: int, drain_timeout: float,
          in_turn: bool, share_cache_bytes: int, sample_cache_bytes: int, sample_disk_bytes: int,
@@ -97,7 +102,8 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
         config = WorkerConfig(dispatcher=dispatcher, host=host, port=port, advertise_host=advertise_host,
                               processes=processes, buffer_batches=buffer_batches,
                               buffer_bytes=int(buffer_mb * 2**20),
-                              max_held_splits=max_splits, heartbeat_interval_s=heartbeat_interval,
+                              max_held_splits=max_splits, max_loaders=max_loaders,
+                              heartbeat_interval_s=heartbeat_interval,
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
                               allow_unauthenticated=allow_unauthenticated,
                               tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca,

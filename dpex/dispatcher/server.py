@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 from concurrent import futures
 from typing import Any, Coroutine
 
 import grpc
 
+from dpex.aio import LoopThread
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.core import DispatcherCore
 from dpex.dispatcher.reaper import Reaper
@@ -73,16 +73,6 @@ def check_port_free(host: str, port: int) -> None:
                                   "there?)") from None
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's where it is installed (a tenth less CPU under a fleet, see
-    benchmarks/RESULTS.md §13), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class DispatcherServer:
     """A running dispatcher; ``address`` is where it listens."""
 
@@ -94,9 +84,8 @@ class DispatcherServer:
         self.reaper = Reaper(self.core).start()
         self.service = DispatcherService(self.core)
         self._closed = False
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dpex-rpc-loop", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("dpex-rpc-loop")
+        self._loop = self._loop_thread.loop
         self.metrics = None
         self._servers: list[grpc.aio.Server] = []
         self._healths: list[Any] = []
@@ -151,10 +140,10 @@ class DispatcherServer:
 
     def _run(self, coroutine: Coroutine) -> Any:
         """Runs ``coroutine`` on the server's loop and returns its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return self._loop_thread.run(coroutine)
 
     def wait(self) -> None:
-        self._thread.join()
+        self._loop_thread.join()
 
     def close(self, grace_s: float = 1.0) -> None:
         if self._closed:
@@ -173,6 +162,4 @@ class DispatcherServer:
         self.core.close()
         if self._servers:
             self._pool.shutdown(wait=False)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop_thread.close()

@@ -8,18 +8,20 @@ import shutil
 import socket
 import threading
 from concurrent import futures
+from typing import Any
 
 import grpc
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex.auth import is_loopback_host, server_credentials
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
 from dpex.procutil import temp_dir
-from dpex.rpc import add_health, listen, server_interceptors, server_options
+from dpex.rpc import add_async_health, listen, server_interceptors, server_options
 from dpex import shm
 from dpex.worker.agent import DispatcherAgent
 from dpex.worker.dataport import DataPort
@@ -85,12 +87,18 @@ class WorkerServer:
         self.config = config
         self._closed = False
         self.pool = pool  # type: ignore[assignment]  # closed by close() if the start fails
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128,
-                                                              thread_name_prefix="dpex-rpc"),
-                                   # trainers send only small requests
-                                   options=server_options(4 << 20), interceptors=server_interceptors(config.auth_token))
-        port = listen(self._server, f"{config.host}:{config.port}",
-                      server_credentials(config.tls_cert_file, config.tls_key_file))
+        # grpc.aio on a loop of its own: an open Fetch stream is a coroutine, not a
+        # thread, so loaders are bounded by memory (and --max-loaders), and health
+        # answers however many are open. Inspect (it may build a dataset) runs in
+        # the server's threads, a stream's blocking steps in threads of their own.
+        self._loop = LoopThread("dpex-rpc-loop")
+        self._rpc_threads = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="dpex-rpc")
+        self._stream_threads = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dpex-fetch")
+        try:
+            self._server, port = self._loop.run(self._listen(config))
+        except BaseException:
+            self._loop.close()
+            raise
         self.address = f"{advertised_host(config)}:{port}"
         self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
         if pool is None:
@@ -113,12 +121,11 @@ class WorkerServer:
                                        worker_address=self.address, meter=Meter(config.processes))
             if config.data_port is not None and not config.tls_cert_file:
                 self.data_port = DataPort(config.host, config.data_port)
-            service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
-                                    worker_address=self.address, shared_memory=config.shared_memory,
-                                    spare_files=config.processes, data_port=self.data_port)
-            self._server.add_generic_rpc_handlers((service.handler(),))
-            self._health = add_health(self._server, "dpex.v1.Worker")
-            self._server.start()
+            self.service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
+                                         worker_address=self.address, blocking=self._stream_threads,
+                                         max_streams=config.max_loaders, shared_memory=config.shared_memory,
+                                         spare_files=config.processes, data_port=self.data_port)
+            self._health = self._loop.run(self._serve(self.service))
             if config.metrics_port is not None:  # scraped as soon as it serves, while it may still wait for the dispatcher
                 self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir)
@@ -134,6 +141,20 @@ class WorkerServer:
                 self.address, "TLS" if config.tls_cert_file else "plaintext", config.processes,
                 "auth: a token is required on every call" if config.auth_token else
                 "auth: NONE - anyone who can reach this port may fetch batches")
+
+    async def _listen(self, config: WorkerConfig) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(self._rpc_threads,
+                                 options=server_options(4 << 20),  # trainers send only small requests
+                                 interceptors=server_interceptors(config.auth_token, aio=True))
+        return server, listen(server, f"{config.host}:{config.port}",
+                              server_credentials(config.tls_cert_file, config.tls_key_file))
+
+    async def _serve(self, service: WorkerService) -> Any:
+        """Adds the services and starts serving; the health servicer."""
+        self._server.add_generic_rpc_handlers((service.handler(),))
+        health = await add_async_health(self._server, "dpex.v1.Worker")
+        await self._server.start()
+        return health
 
     def _metrics(self) -> list:
         held = GaugeMetricFamily("dpex_worker_splits_held", "Splits this worker holds.")
@@ -153,7 +174,12 @@ class WorkerServer:
         for (job_id, consumer), (batches, nbytes) in self.scheduler.holdings().items():
             ready.add_metric([str(job_id), str(consumer)], batches)
             ready_bytes.add_metric([str(job_id), str(consumer)], nbytes)
-        return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes,
+        limit = GaugeMetricFamily("dpex_worker_fetch_streams_limit", "Open loaders (Fetch streams) served at "
+                                  "most (dpex-worker --max-loaders); dpex_worker_fetch_streams counts the open ones.")
+        limit.add_metric([], self.service.streams.limit)
+        refused = CounterMetricFamily("dpex_worker_fetch_refused", "Loaders refused: the limit was reached.")
+        refused.add_metric([], self.service.streams.refused)
+        return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes, limit, refused,
                 *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _job_path(self, job_id: int) -> str:
@@ -174,7 +200,7 @@ class WorkerServer:
         return self.pool.submit(inspect, job_id, self._job_path(job_id)).result()
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        self._loop.join()
 
     def _sweep(self) -> None:
         """Every few seconds, removes hand-off files lent to trainers that
@@ -192,7 +218,7 @@ class WorkerServer:
             return
         self._closed = True
         if hasattr(self, "_health"):
-            self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while we drain
+            self._loop.run(self._health.enter_graceful_shutdown())  # probes see NOT_SERVING while we drain
         if hasattr(self, "_stopping"):
             self._stopping.set()
             self._janitor.join()
@@ -200,10 +226,15 @@ class WorkerServer:
             self.agent.close(deregister=True)
         if self.metrics is not None:
             self.metrics.close()
-        self._server.stop(grace_s).wait()
+        if hasattr(self, "_server"):
+            self._loop.run(self._server.stop(grace_s))
         if self.data_port is not None:
             self.data_port.close()
         if hasattr(self, "scheduler"):
             self.scheduler.close()
         self.pool.close()
+        if hasattr(self, "_loop"):
+            self._rpc_threads.shutdown(wait=False)
+            self._stream_threads.shutdown(wait=False)
+            self._loop.close()
         shutil.rmtree(self._job_dir, ignore_errors=True)

@@ -2,10 +2,13 @@
 batch it wants (its credits) and receives the frames as they are ready."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-import queue
-import threading
+import math
+import time
 from collections import deque
+from concurrent.futures import Executor
 from typing import Callable
 
 import grpc
@@ -38,12 +41,87 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
     return build_frame(error)
 
 
+class _Outbox:
+    """A stream's frames: put by the scheduler's threads (it is the sink the
+    stream's requests name), taken on the server's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+    def __call__(self, frame: "bytes | Handoff") -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._arrive, frame)
+        except RuntimeError:  # the loop is closed: the worker stopped
+            shm.discard(frame)
+
+    def _arrive(self, frame: "bytes | Handoff") -> None:
+        if self._closed:
+            shm.discard(frame)
+        else:
+            self._queue.put_nowait(frame)
+
+    async def get(self) -> "bytes | Handoff":
+        return await self._queue.get()
+
+    def close(self) -> None:
+        """Discards what came and what comes (from any thread, once the
+        scheduler has forgotten this sink: what it put before is ahead of this)."""
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            self._drain()
+
+    def _drain(self) -> None:
+        self._closed = True
+        while not self._queue.empty():
+            shm.discard(self._queue.get_nowait())
+
+
+class StreamLimit:
+    """The open Fetch streams (one per loader and worker), at most ``limit``:
+    a stream holds no thread, only memory. Used on the server's loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.refused = 0  # counted for dpex_worker_fetch_refused_total
+        self._said = -math.inf
+
+    def open(self) -> bool:
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def close(self) -> None:
+        self.count -= 1
+
+    def refusal(self, peer: str, worker_address: str) -> str:
+        """Counts a refused stream and says why (in the log at most once a minute)."""
+        self.refused += 1
+        message = (f"worker {worker_address} serves at most {self.limit} open loaders (dpex-worker "
+                   "--max-loaders) and all are open; close loaders no longer used (a loader keeps its "
+                   "stream between epochs), start more workers or raise the limit")
+        now = time.monotonic()
+        if now - self._said >= 60.0:
+            self._said = now
+            log.warning("refused a loader from %s: %d open loaders, the limit (--max-loaders); %d refused "
+                        "so far", peer, self.count, self.refused)
+        return message
+
+
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
-                 max_frame_bytes: int, worker_address: str, shared_memory: bool = True,
-                 spare_files: int = 0, data_port: DataPort | None = None) -> None:
-        """``spare_files``: hand-off files kept for reuse once sent (dpex.shm);
-        ``data_port``: frames to trainers that ask go over a socket of it (dpex.worker.dataport)."""
+                 max_frame_bytes: int, worker_address: str, blocking: Executor, max_streams: int,
+                 shared_memory: bool = True, spare_files: int = 0, data_port: DataPort | None = None) -> None:
+        """``blocking``: threads for a stream's blocking steps; ``max_streams``:
+        open Fetch streams at most (:class:`StreamLimit`); ``spare_files``:
+        hand-off files kept for reuse once sent (dpex.shm); ``data_port``:
+        frames to trainers that ask go over a socket of it (dpex.worker.dataport)."""
+        self._blocking = blocking
+        self.streams = StreamLimit(max_streams)
         self._data_port = data_port
         self._scheduler = scheduler
         self._inspect = inspect
@@ -66,67 +144,84 @@ class WorkerService:
     def Inspect(self, request, context):
         return self._inspect(request.job_id)  # already serialized by the pool
 
-    def Fetch(self, request_iterator, context: grpc.ServicerContext):
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        sink = out.put
-        context.add_callback(lambda: out.put(None))  # the RPC ended: stop yielding
+    async def Fetch(self, request_iterator, context: grpc.aio.ServicerContext):
+        """A coroutine on the server's loop: an open stream holds no thread,
+        only its requests and the frames on their way; the blocking steps
+        (the scheduler's lock, reading a file, pairing a socket) run in
+        ``blocking``'s threads."""
+        loop = asyncio.get_running_loop()
+        if not self.streams.open():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                self.streams.refusal(context.peer(), self._address))
+        out = _Outbox(loop)
 
-        def read() -> None:
+        async def read() -> None:
             try:
-                for r in request_iterator:
-                    for seq in (r.seq, *r.more_seqs):
-                        self._scheduler.request(Key(r.epoch, seq, r.consumer_index, r.job_id), sink)
+                async for r in request_iterator:
+                    await loop.run_in_executor(self._blocking, self._request, r, out)
             except Exception as e:  # the client went away mid-message
                 log.debug("fetch stream closed: %s", e)
 
-        # The reader ends with the RPC (its iterator ends or raises).
-        reader = threading.Thread(target=read, name="dpex-fetch-reader", daemon=True)
-        reader.start()
-        metadata = tuple(context.invocation_metadata())
-        same_host = bool(self._host) and (HOST_METADATA, self._host) in metadata
+        reader = loop.create_task(read())  # ends with the RPC (its iterator ends or raises)
         sender = None
-        if (REQUEST_METADATA, "1") in metadata:  # answered at once: the trainer waits for it
-            if same_host:
-                context.send_initial_metadata(())  # no socket: it maps /dev/shm files
-            else:
-                sender = self._data_socket(context)
         pointed: deque[Handoff] = deque(maxlen=_UNMAPPED_KEPT)  # files named to a same-host trainer
         self._meter.stream(+1)
         try:
+            metadata = tuple(context.invocation_metadata() or ())
+            same_host = bool(self._host) and (HOST_METADATA, self._host) in metadata
+            if (REQUEST_METADATA, "1") in metadata:  # answered at once: the trainer waits for it
+                if same_host:
+                    await context.send_initial_metadata(())  # no socket: it maps /dev/shm files
+                else:
+                    sender = await self._data_socket(context)
             while True:
-                frame = out.get()
-                if frame is None:
-                    return
+                frame = await out.get()
                 self._meter.sent(shm.size_of(frame))
                 if same_host and isinstance(frame, Handoff):
                     pointed.append(frame)
-                outgoing = self._outgoing(frame, same_host)
+                if isinstance(frame, Handoff) and not same_host:  # its bytes are read from the file
+                    outgoing = await loop.run_in_executor(self._blocking, self._outgoing, frame, same_host)
+                else:
+                    outgoing = self._outgoing(frame, same_host)
                 if sender is not None and len(outgoing) >= _DATA_MIN_BYTES:
                     if sender.failed is not None:
-                        context.abort(grpc.StatusCode.UNAVAILABLE, f"data socket failed: {sender.failed}")
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"data socket failed: {sender.failed}")
                     sender.send(outgoing)  # the bytes, on the socket, in the order of the pointers
                     meta, _ = parse_frame(outgoing)
                     meta.data_size = len(outgoing)
                     outgoing = build_frame(meta)
                 yield outgoing
         finally:
-            if sender is not None:
-                sender.close()
+            reader.cancel()
             self._meter.stream(-1)
-            self._scheduler.cancel(sink)
-            while not out.empty():  # asked for, produced, never sent
-                shm.discard(out.get())
-            for frame in pointed:  # named but never mapped (a mapped one was renamed): the trainer left
-                shm.discard(frame)
+            self.streams.close()
+            # Off the loop (a lock, a thread joined); the frames that came meanwhile are discarded.
+            await asyncio.shield(loop.run_in_executor(self._blocking, self._end, out, sender, list(pointed)))
 
-    def _data_socket(self, context: grpc.ServicerContext) -> Sender | None:
+    def _request(self, r: wpb.FetchRequest, sink: Callable) -> None:
+        for seq in (r.seq, *r.more_seqs):
+            self._scheduler.request(Key(r.epoch, seq, r.consumer_index, r.job_id), sink)
+
+    def _end(self, out: "_Outbox", sender: Sender | None, pointed: list[Handoff]) -> None:
+        """A stream ended: its socket closed, its requests forgotten, its
+        frames asked for, produced and never sent (or named and never mapped:
+        a mapped one was renamed) discarded."""
+        if sender is not None:
+            sender.close()
+        self._scheduler.cancel(out)
+        out.close()
+        for frame in pointed:
+            shm.discard(frame)
+
+    async def _data_socket(self, context: grpc.aio.ServicerContext) -> Sender | None:
         """Pairs this stream with the trainer's data socket (None: it stays on gRPC)."""
         if self._data_port is None:
-            context.send_initial_metadata(())
+            await context.send_initial_metadata(())
             return None
         key = self._data_port.new_key()
-        context.send_initial_metadata(((PORT_METADATA, str(self._data_port.port)), (KEY_METADATA, key.hex())))
-        conn = self._data_port.claim(key, timeout_s=10.0)
+        await context.send_initial_metadata(((PORT_METADATA, str(self._data_port.port)), (KEY_METADATA, key.hex())))
+        conn = await asyncio.get_running_loop().run_in_executor(
+            self._blocking, functools.partial(self._data_port.claim, key, timeout_s=10.0))
         if conn is None:
             log.warning("a trainer asked for a data socket but did not connect; sending over gRPC")
             return None

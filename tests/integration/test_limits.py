@@ -1,5 +1,7 @@
-"""Size limits and corrupt batch frames: each refused with a clear error;
-a corrupt frame is asked for again, so a flaky worker loses nothing."""
+"""Size limits, open loaders and corrupt batch frames: each refused with a
+clear error; a corrupt frame is asked for again, so a flaky worker loses
+nothing; open loaders are bounded by --max-loaders, not by threads."""
+import grpc
 import pytest
 
 import dpex
@@ -8,6 +10,7 @@ from dpex.testing import test_cluster
 from dpex.wire import frame_parts, parse_frame
 from dpex.worker.server import WorkerServer
 from dpex.worker.service import WorkerService
+from tests.integration.test_observability import scrape, total
 
 N, B = 48, 4
 EXPECTED = [list(range(i, i + B)) for i in range(0, N, B)]
@@ -46,13 +49,64 @@ def test_plan_and_message_limits_of_the_dispatcher():
             assert len(list(dl)) == 10  # still serving
 
 
+def health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="dpex.v1.Worker"), timeout=10).status
+
+
+def test_a_worker_serves_more_than_128_open_loaders_and_answers_health_meanwhile():
+    # Each loader keeps a Fetch stream open between epochs. On a server of 128 threads (one a stream)
+    # loader 129 hung and health stopped answering (issue 61); streams are coroutines now.
+    from grpc_health.v1 import health_pb2
+    with test_cluster(num_workers=1, metrics=True) as c:
+        loaders = []
+        try:
+            for i in range(140):
+                dl = dpex.RemoteDataLoader(c.address, squares(8), batch_size=4, timeout=30)
+                loaders.append(dl)
+                assert [b["y"].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # its stream stays open
+            assert health(c.worker_addresses[0]) == health_pb2.HealthCheckResponse.SERVING
+            m = scrape(c.workers[0].metrics_url)
+            assert total(m, "dpex_worker_fetch_streams") == 140
+            assert total(m, "dpex_worker_fetch_streams_limit") == WorkerConfig.max_loaders
+            # Each still has its next epoch, over the streams kept.
+            for dl in loaders[::20]:
+                assert [b["y"].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        finally:
+            for dl in loaders:
+                dl.close()
+
+
+def test_a_loader_past_max_loaders_is_refused_at_once_and_the_refusal_counted():
+    with test_cluster(num_workers=1, metrics=True, worker_flags=("--shm-min-kb", "0", "--max-loaders", "2")) as c:
+        first = dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30)
+        second = dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30)
+        try:
+            assert [b["y"].tolist() for b in first] == EXPECTED
+            assert [b["y"].tolist() for b in second] == EXPECTED
+            with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=300) as third:
+                with pytest.raises(dpex.DpexConfigError, match=r"serves at most 2 open loaders "
+                                                               r"\(dpex-worker --max-loaders\)"):
+                    list(third)  # at once, not after its timeout
+            assert total(scrape(c.workers[0].metrics_url), "dpex_worker_fetch_refused_total") >= 1
+            first.close()  # its place is free again
+            with dpex.RemoteDataLoader(c.address, squares(), batch_size=B, timeout=30) as fourth:
+                assert [b["y"].tolist() for b in fourth] == EXPECTED
+        finally:
+            first.close()
+            second.close()
+        assert "refused a loader from" in open(c.workers[0].log_path).read()
+
+
 def corrupting(how, count):
     """A WorkerService.Fetch that spoils the first ``count`` batch frames."""
     original = WorkerService.Fetch
     spoiled = []
 
-    def fetch(self, request_iterator, context):
-        for frame in original(self, request_iterator, context):
+    async def fetch(self, request_iterator, context):
+        async for frame in original(self, request_iterator, context):
             meta, payload = parse_frame(frame)
             if len(payload) and len(spoiled) < count:
                 spoiled.append(meta.seq)

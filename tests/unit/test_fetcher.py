@@ -20,6 +20,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.testing import wait_until
 from dpex.wire import build_frame, encode_parts, frame_parts
 from dpex.worker.meter import Meter
+from dpex.testing.servers import serving
 from dpex.worker.service import WorkerService
 
 N = 12
@@ -78,30 +79,27 @@ class Worker:
 @pytest.fixture
 def cluster():
     dispatcher, worker = Dispatcher(), Worker()
-    servers = []
-    for add in (lambda s: dgrpc.add_DispatcherServicer_to_server(dispatcher, s),
-                lambda s: s.add_generic_rpc_handlers((WorkerService(
-                    worker, lambda job_id: b"", max_frame_bytes=1 << 20, worker_address="w",
-                    shared_memory=False).handler(),))):
-        server = grpc.server(futures.ThreadPoolExecutor(8))
-        add(server)
-        servers.append((server, f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
-        server.start()
-    dispatcher.worker = servers[1][1]
-    channel = grpc.insecure_channel(servers[0][1])
-    streams = StreamPool(shared_memory=False)
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    dgrpc.add_DispatcherServicer_to_server(dispatcher, server)
+    dispatcher_address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    service = WorkerService(worker, lambda job_id: b"", max_frame_bytes=1 << 20, worker_address="w",
+                            shared_memory=False, blocking=futures.ThreadPoolExecutor(4), max_streams=100)
+    with serving(service.handler()) as worker_address:
+        dispatcher.worker = worker_address
+        channel = grpc.insecure_channel(dispatcher_address)
+        streams = StreamPool(shared_memory=False)
 
-    def epoch(**kwargs) -> EpochFetcher:
-        options = dict(stub=dgrpc.DispatcherStub(channel), target="the dispatcher", streams=streams, job_id=3,
-                       consumer_index=0, epoch=0, num_batches=N, window=4, ordered=True, timeout_s=30,
-                       retry_for_s=5)
-        return EpochFetcher(**{**options, **kwargs})
-    yield dispatcher, worker, epoch
-    dispatcher._stop.set()
-    streams.close()
-    channel.close()
-    for server, _ in servers:
-        server.stop(None)
+        def epoch(**kwargs) -> EpochFetcher:
+            options = dict(stub=dgrpc.DispatcherStub(channel), target="the dispatcher", streams=streams, job_id=3,
+                           consumer_index=0, epoch=0, num_batches=N, window=4, ordered=True, timeout_s=30,
+                           retry_for_s=5)
+            return EpochFetcher(**{**options, **kwargs})
+        yield dispatcher, worker, epoch
+        dispatcher._stop.set()
+        streams.close()
+        channel.close()
+    server.stop(None)
 
 
 def test_an_epoch_comes_in_plan_order_and_every_batch_is_acked(cluster):

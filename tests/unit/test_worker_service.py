@@ -12,12 +12,14 @@ import pytest
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire.pairing import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 from dpex.testing import wait_until
+from dpex.testing.servers import serving
 from dpex.wire import build_frame, parse_frame
 from dpex.worker.dataport import DataPort
 from dpex.worker.meter import Meter
 from dpex.worker.service import WorkerService
 
 LIMIT = 1 << 20
+MAX_STREAMS = 3
 
 
 class Scheduler:
@@ -43,15 +45,11 @@ def worker():
     scheduler, port = Scheduler(), DataPort("127.0.0.1")
     service = WorkerService(scheduler, lambda job_id: wpb.InspectResponse(length=job_id * 10).SerializeToString(),
                             max_frame_bytes=LIMIT, worker_address="test-worker", shared_memory=False,
-                            data_port=port)
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    server.add_generic_rpc_handlers((service.handler(),))
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-    yield scheduler, channel
-    channel.close()
-    server.stop(None)
+                            data_port=port, blocking=futures.ThreadPoolExecutor(4), max_streams=MAX_STREAMS)
+    with serving(service.handler()) as address:
+        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        yield scheduler, channel
+        channel.close()
     port.close()
 
 
@@ -111,3 +109,27 @@ def test_big_frames_to_another_host_go_over_the_data_port_in_order(worker):
     asks.put(None)
     call.cancel()
     data.close()
+
+
+def test_streams_past_the_limit_are_refused_with_a_message_and_counted(worker):
+    scheduler, channel = worker
+    service_streams = []
+    for i in range(MAX_STREAMS):  # open, each answered
+        asks: queue.SimpleQueue = queue.SimpleQueue()
+        call = fetch(channel, iter(asks.get, None))
+        asks.put(wpb.FetchRequest(job_id=1, seq=i))
+        assert parse_frame(next(call))[0].seq == i
+        service_streams.append((asks, call))
+    refused = fetch(channel, iter([wpb.FetchRequest(job_id=1, seq=9)]))
+    with pytest.raises(grpc.RpcError) as e:
+        next(refused)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"serves at most {MAX_STREAMS} open loaders (dpex-worker --max-loaders)" in e.value.details()
+    asks, call = service_streams.pop()
+    call.cancel()  # a loader closed: its place is free
+    wait_until(lambda: scheduler.meter.fetch_streams == MAX_STREAMS - 1, 10, "the closed stream")
+    again = fetch(channel, iter([wpb.FetchRequest(job_id=1, seq=7)]))
+    assert parse_frame(next(again))[0].seq == 7
+    again.cancel()
+    for _, call in service_streams:
+        call.cancel()
