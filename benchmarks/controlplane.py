@@ -53,6 +53,7 @@ import dpex  # noqa: E402
 from dpex.client.sampling import Indices  # noqa: E402
 from dpex.config import DispatcherConfig  # noqa: E402
 from dpex.plan import samplers  # noqa: E402
+from dpex.version import versions  # noqa: E402
 from dpex.proto import dispatcher_pb2 as dpb  # noqa: E402
 from dpex.proto import dispatcher_pb2_grpc as dgrpc  # noqa: E402
 from dpex.testing import test_cluster  # noqa: E402
@@ -148,10 +149,13 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
         sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=samples, batch_size=1024,
                                   kind=dpb.SamplerSpec.DISTRIBUTED, seed=0, num_replicas=consumers, rank=k,
                                   shuffle=True)
-        await stub.SubmitPlan(dpb.SubmitPlanRequest(job_id=job.job_id, consumer_index=k, epoch=0,
-                                                    sampler=sampler))
-    ids = [(await stub.RegisterWorker(dpb.RegisterWorkerRequest(address=f"10.0.{i // 250}.{i % 250}:1")))
-           .worker_id for i in range(workers)]
+        await stub.SubmitPlan(dpb.SubmitPlanRequest(job_id=job.job_id, job_key=job.job_key, consumer_index=k,
+                                                    epoch=0, sampler=sampler))
+    registered = [await stub.RegisterWorker(dpb.RegisterWorkerRequest(address=f"10.0.{i // 250}.{i % 250}:1",
+                                                                      versions=versions()))
+                  for i in range(workers)]
+    keys = {r.worker_id: r.worker_key for r in registered}
+    ids = list(keys)
     steady = time.monotonic() + interval  # set up; every worker's first poll (spread over an interval) done
     end = time.monotonic() + seconds
     idle: list[float] = []  # heartbeats that came back with nothing: how long they polled
@@ -173,7 +177,8 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
             started = time.monotonic()
             producing = [t for t in held.values() if t > started]
             call = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(
-                worker_id=worker_id, want_splits=max(0, 1 - len(producing)), held_split_ids=list(held)))
+                worker_id=worker_id, worker_key=keys[worker_id], want_splits=max(0, 1 - len(producing)),
+                held_split_ids=list(held)))
             try:
                 r = await (asyncio.wait_for(call, min(producing) - started) if producing else call)
             except asyncio.TimeoutError:  # a split was produced: ask again (the call is cancelled)
@@ -193,7 +198,7 @@ async def _load(address: str, workers: int, consumers: int, samples: int, second
         await asyncio.sleep(random.random())  # trainers are not in lockstep to the millisecond
         while time.monotonic() < end:
             r = await stub.SyncConsumer(dpb.SyncConsumerRequest(
-                job_id=job.job_id, consumer_index=k, epoch=0, owners_digest=digest, wait_s=1.0,
+                job_id=job.job_id, job_key=job.job_key, consumer_index=k, epoch=0, owners_digest=digest, wait_s=1.0,
                 next_seq=next_seq, delivered_seqs=delivered))
             digest, delivered = r.owners_digest, []
             if r.owners:
@@ -214,7 +219,8 @@ def probe(address: str, seconds: float) -> None:
     ch = grpc.insecure_channel(address)
     stub = dgrpc.DispatcherStub(ch)
     health = health_pb2_grpc.HealthStub(ch)
-    worker_id = stub.RegisterWorker(dpb.RegisterWorkerRequest(address="10.255.0.1:1")).worker_id
+    registered = stub.RegisterWorker(dpb.RegisterWorkerRequest(address="10.255.0.1:1", versions=versions()))
+    worker_id = registered.worker_id
     samples, held = [], []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -222,7 +228,8 @@ def probe(address: str, seconds: float) -> None:
         health.Check(health_pb2.HealthCheckRequest())
         check = time.perf_counter() - started
         started = time.perf_counter()
-        r = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id, want_splits=1,
+        r = stub.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id, worker_key=registered.worker_key,
+                                                            want_splits=1,
                                                             held_split_ids=held))
         samples.append((time.monotonic(), time.perf_counter() - started, check))
         held = [s for s in held if s not in set(r.release_split_ids)] + [s.split_id for s in r.splits]

@@ -9,12 +9,14 @@ jobs only from a loopback dispatcher, unless ``allow_unauthenticated``.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from typing import Any, Callable
 
 import grpc
 
 from dpex.errors import DpexConfigError
+from dpex.keys import Refusals
 
 TOKEN_ENV = "DPEX_AUTH_TOKEN"
 _KEY = "authorization"
@@ -85,11 +87,17 @@ _HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
              (True, True): grpc.stream_stream_rpc_method_handler}
 
 
+# Calls refused for their token, counted by reason and logged with the peer (the daemons' metrics).
+refusals = Refusals(logging.getLogger("dpex.auth"))
+
+
 def _refuse(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+    refusals.refuse("token", context.peer(), _REFUSED)
     context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
 
 
 async def _refuse_async(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    refusals.refuse("token", context.peer(), _REFUSED)
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)  # a stream's too (a sync one would hang)
 
 

@@ -116,6 +116,11 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     journal_failing = _gauge("dpex_journal_failing", "1 while the journal cannot be written: changes are refused "
                              "(UNAVAILABLE) until it can.")
     journal_failing.add_metric([], int(status.journal_failing))
+    refused = _counter("dpex_refused_calls", "Calls refused, by reason: a wrong or missing token, a job's or "
+                       "worker's key (another job's epochs or batches), a peer beyond loopback without a token.",
+                       ["reason"])
+    for reason, count in sorted(status.refused_calls_total.items()):
+        refused.add_metric([reason], count)
     job_labels = ["job_id", "job_name"]
     planned = _counter("dpex_job_batches_planned", "Batches planned by the job's trainers.", job_labels)
     delivered = _counter("dpex_job_batches_delivered", "Batches trainers acknowledged.", job_labels)
@@ -143,6 +148,5 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
                          ["worker_id", "address"])
     return [build_info(status.versions), workers, jobs, wanted, assigned, reassigned, collected, forgotten,
-            heartbeats, journal_errors,
-            journal_failing, planned, delivered, pending,
+            heartbeats, journal_errors, journal_failing, refused, planned, delivered, pending,
             consumers, needed, job_needed, heartbeat, *loads]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dpex.proto import dispatcher_pb2 as dpb
 
-PROTOCOL = 1  # bumped when a message's meaning changes: daemons of two protocols do not mix
+PROTOCOL = 2  # bumped when a message's meaning changes: daemons of two protocols do not mix
 
 
 @functools.cache

@@ -55,16 +55,21 @@ class _Failed(NamedTuple):
     error: DpexError
 
 
+# A worker's answers to a stream that no retry changes: its loader limit, a wrong key or token.
+_REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
 class Control:
     """Acks delivered batches and learns who owns the rest, off the hot path."""
 
     def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
                  results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
-                 meter: StatsMeter | None = None, client_id: int = 0) -> None:
+                 meter: StatsMeter | None = None, client_id: int = 0, job_key: bytes = b"") -> None:
         self._stub, self._target = stub, target
         self._meter = meter or StatsMeter()  # the trainer's measured need and wait, reported with each sync
         self._need = self._meter.recent_need
-        self._key = dict(job_id=job_id, consumer_index=consumer_index, epoch=epoch, client_id=client_id)
+        self._key = dict(job_id=job_id, job_key=job_key, consumer_index=consumer_index, epoch=epoch,
+                         client_id=client_id)
         self.epoch_key = (job_id, consumer_index, epoch)
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
@@ -253,7 +258,7 @@ class EpochFetcher:
     batch stands), a Router (whom to ask), the streams (dpex.client.streams)
     and the control thread; and the policy for failed streams and corrupt frames."""
 
-    def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int,
+    def __init__(self, *, stub: Any, target: str, streams: StreamPool, job_id: int, job_key: bytes = b"",
                  consumer_index: int, epoch: int, num_batches: int, window: int, ordered: bool,
                  timeout_s: float | None, retry_for_s: float, outage: Outage | None = None,
                  dataset: DatasetSeen | None = None, num_streams: int = 0,
@@ -269,13 +274,15 @@ class EpochFetcher:
         gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
         resumed epoch starts with those of its checkpoint, never fetched again.
-        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims).
+        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims);
+        ``job_key``: the job's (dpex.keys), sent with every call on it.
         ``health()``: why the loader's own cluster can serve no more, raised as
         the epoch's error (None: it can); ``no_worker_s``: how long the
         dispatcher may have no live worker before the epoch fails (None: for ever)."""
         self._streams = streams
         self._results = streams.results
         self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
+        self._job_key = job_key
         self._dataset = dataset
         self._window = window
         self._group = max(1, window // 4)  # credits go out in groups: one message per group
@@ -294,7 +301,7 @@ class EpochFetcher:
         self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
-                                self._meter, client_id)
+                                self._meter, client_id, job_key)
         self._control.next_seq = self._ledger.low
         self.key = (job_id, consumer_index, epoch)
         streams.start_epoch(self.key)
@@ -420,7 +427,7 @@ class EpochFetcher:
         """One request per worker, naming every batch asked of it."""
         for address, seqs in asks.items():
             self._streams.send(address, wpb.FetchRequest(
-                job_id=self._job_id, consumer_index=self._consumer, epoch=self._epoch,
+                job_id=self._job_id, job_key=self._job_key, consumer_index=self._consumer, epoch=self._epoch,
                 seq=seqs[0], more_seqs=seqs[1:]))
 
     def _handle(self, got: Any) -> bool:
@@ -442,8 +449,8 @@ class EpochFetcher:
             return False
         assert isinstance(got, Received)
         if got.frame is None:
-            if isinstance(got.error, grpc.RpcError) and got.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self.close()  # the worker refused this loader (its --max-loaders): asking again would not help
+            if isinstance(got.error, grpc.RpcError) and got.error.code() in _REFUSED:
+                self.close()  # the worker refused this loader (its --max-loaders, a key): asking again would not help
                 raise to_dpex_error(got.error, f"worker {got.address}") from None
             failures = self._router.stream_failed(got.address)
             if failures % 10 == 1:  # a dead worker fails every backoff until the dispatcher notices

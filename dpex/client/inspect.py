@@ -42,7 +42,7 @@ def in_trainer(dataset: Any) -> DatasetSeen:
     return DatasetSeen("the trainer's dataset instance", length, fingerprint, isinstance(dataset, tud.IterableDataset))
 
 
-def on_workers(alive: Callable[[], list[str]], job_id: int, token: str | None, tls_ca: bytes | None,
+def on_workers(alive: Callable[[], list[str]], job_id: int, job_key: bytes, token: str | None, tls_ca: bytes | None,
                wait_s: float, target: str, timeout_s: float | None = None) -> DatasetSeen:
     """Asks every live worker (``alive()``: their addresses) to build the
     job's dataset, in parallel: its length (-1: none), its fingerprint, and
@@ -54,7 +54,7 @@ def on_workers(alive: Callable[[], list[str]], job_id: int, token: str | None, t
         try:
             ch = channel(address, token, tls_ca)
             try:
-                return call(wgrpc.WorkerStub(ch).Inspect, wpb.InspectRequest(job_id=job_id),
+                return call(wgrpc.WorkerStub(ch).Inspect, wpb.InspectRequest(job_id=job_id, job_key=job_key),
                             target=f"worker {address}", timeout_s=300 if timeout_s is None else timeout_s)
             finally:
                 ch.close()

@@ -109,14 +109,15 @@ def name_shared(job: dpb.JobDef, run: Run | None) -> bool:
     return True
 
 
-def make(call_: Call, stub: Any, request: dpb.GetOrCreateJobRequest, named: bool) -> int:
-    """The job's id: the loader's own (``named``), or an unnamed job of
-    the same definition, for another lane (dpex.client.lanes)."""
+def make(call_: Call, stub: Any, request: dpb.GetOrCreateJobRequest, named: bool) -> tuple[int, bytes]:
+    """The job's id and key (dpex.keys): the loader's own job (``named``), or
+    an unnamed job of the same definition, for another lane (dpex.client.lanes)."""
     if not named and request.job.name:
         request, named_request = dpb.GetOrCreateJobRequest(), request
         request.CopyFrom(named_request)
         request.job.name, request.settings_only = "", False
-    return call_(stub.GetOrCreateJob, request).job_id
+    response = call_(stub.GetOrCreateJob, request)
+    return response.job_id, response.job_key
 
 
 def submit(call_: Call, stub: Any, request: dpb.SubmitPlanRequest, batches: list[dpb.IndexBatch]) -> int:

@@ -22,8 +22,9 @@ from dpex.errors import DpexError
 class Lane:
     """A job this loader runs epochs on, its streams and its epoch in progress."""
 
-    def __init__(self, job_id: int, streams: StreamPool, release: Callable[[], None] | None = None) -> None:
-        self.job_id, self.streams, self.release = job_id, streams, release
+    def __init__(self, job_id: int, job_key: bytes, streams: StreamPool,
+                 release: Callable[[], None] | None = None) -> None:
+        self.job_id, self.job_key, self.streams, self.release = job_id, job_key, streams, release
         self._epoch: weakref.ref | None = None
 
     @property

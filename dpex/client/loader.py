@@ -58,7 +58,7 @@ class _Resources:
         self.stub: Any = None
         self._pool_args = (token, tls_ca, shared_memory)
         self.read_frame: Callable[..., Any] | None = None  # pinning's, for frames from other hosts
-        self.lanes = Lanes(Lane(0, self.new_streams()))
+        self.lanes = Lanes(Lane(0, b"", self.new_streams()))
         self._lock = threading.Lock()
         self._closed = False
 
@@ -224,6 +224,7 @@ class RemoteDataLoader:
         self._res = _Resources(self._token, ca, opts.shared_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         self._address, self._target, self.job_id = address, f"dispatcher {address}", None
+        self._job_key = b""  # the job's key (dpex.keys), with its id
         self._client_id = secrets.randbits(63) + 1  # this loader's: it holds its consumer of the job
         try:
             if address is None:  # started in the background, shared with this process's other loaders
@@ -237,7 +238,7 @@ class RemoteDataLoader:
             if not (self.embedded and self._instance is not None):  # else at the first iter()
                 self._connect()
             self._dataset = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
-                self._alive_workers, self.job_id, self._token, ca, self._connect_timeout, self._target, self.timeout))
+                self._alive_workers, self.job_id, self._job_key, self._token, ca, self._connect_timeout, self._target, self.timeout))
             self._plans = EpochPlans(
                 self._dataset.length, self._dataset.iterable, batch_size=batch_size, drop_last=drop_last,
                 shuffle=shuffle, seed=seed, sampler=sampler, batch_sampler=batch_sampler, generator=generator,
@@ -305,7 +306,8 @@ class RemoteDataLoader:
             plan = resume.batches or []
         else:
             base_seed, sampler, plan, streams = draw.plan()
-        submit = dpb.SubmitPlanRequest(job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch,
+        submit = dpb.SubmitPlanRequest(job_id=lane.job_id, job_key=lane.job_key,
+                                       consumer_index=self.consumer_index, epoch=epoch,
                                        base_seed=base_seed, num_streams=streams, client_id=self._client_id)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
@@ -329,14 +331,15 @@ class RemoteDataLoader:
             if lane is self._res.lanes.first:
                 self._create_job()
             else:
-                lane.job_id = jobs.make(self._call, self._res.stub, self._job_request, named=False)
-            submit.job_id = lane.job_id
+                lane.job_id, lane.job_key = jobs.make(self._call, self._res.stub, self._job_request, named=False)
+            submit.job_id, submit.job_key = lane.job_id, lane.job_key
             num_batches = jobs.submit(self._call, self._res.stub, submit, plan)
         stub = self._res.stub
         leave = jobs.releaser(stub, self._target, dpb.ReleaseConsumerRequest(
-            job_id=lane.job_id, consumer_index=self.consumer_index, epoch=epoch, client_id=self._client_id))
+            job_id=lane.job_id, job_key=lane.job_key, consumer_index=self.consumer_index, epoch=epoch,
+            client_id=self._client_id))
         fetcher = EpochFetcher(
-            stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id,
+            stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,
             consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches, client_id=self._client_id,
             window=self._window, ordered=self.ordered, timeout_s=self.timeout,
             retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
@@ -467,7 +470,7 @@ class RemoteDataLoader:
         if self.job_id is None:  # not made yet: _connect() makes it of this definition
             return
         # The old definition's jobs are released once their epochs end (now, if none runs).
-        self._res.lanes.renew(Lane(0, self._res.new_streams()))
+        self._res.lanes.renew(Lane(0, b"", self._res.new_streams()))
         self._create_job()
 
     def _connect(self) -> None:
@@ -487,17 +490,18 @@ class RemoteDataLoader:
     def _create_job(self) -> None:
         """Gets or creates the job of lane 0 (again, if the dispatcher collected it)."""
         first = self._res.lanes.first
-        self.job_id = first.job_id = jobs.make(self._call, self._res.stub, self._job_request, named=True)
-        first.release = self._releaser(first.job_id)
+        self.job_id, self._job_key = first.job_id, first.job_key = jobs.make(
+            self._call, self._res.stub, self._job_request, named=True)
+        first.release = self._releaser(first.job_id, first.job_key)
 
     def _open_lane(self) -> Lane:
-        job_id = jobs.make(self._call, self._res.stub, self._job_request, named=False)
-        return Lane(job_id, self._res.new_streams(), self._releaser(job_id))
+        job_id, job_key = jobs.make(self._call, self._res.stub, self._job_request, named=False)
+        return Lane(job_id, job_key, self._res.new_streams(), self._releaser(job_id, job_key))
 
-    def _releaser(self, job_id: int) -> Callable[[], None]:
+    def _releaser(self, job_id: int, job_key: bytes) -> Callable[[], None]:
         """Releases this loader's consumer of ``job_id`` (at close, or once a lane is no longer needed)."""
         return jobs.releaser(self._res.stub, self._target, dpb.ReleaseConsumerRequest(
-            job_id=job_id, consumer_index=self.consumer_index, client_id=self._client_id))
+            job_id=job_id, job_key=job_key, consumer_index=self.consumer_index, client_id=self._client_id))
 
     def _alive_workers(self) -> list[str]:
         status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())

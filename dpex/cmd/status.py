@@ -32,6 +32,8 @@ def render(status) -> str:
              f"{status.jobs_collected_total} jobs, {status.workers_forgotten_total} workers; "
              f"workers needed by the trainers' rates: {status.workers_needed or '-'}",
              *([f"workers wanted: {status.workers_wanted} ({status.scaling_reason})"] if status.workers_wanted else []),
+             *(["calls refused: " + ", ".join(f"{n} for {why}" for why, n in sorted(status.refused_calls_total.items()))]
+               if status.refused_calls_total else []),
              "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",

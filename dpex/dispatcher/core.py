@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from dpex import version
+from dpex import keys, version
 from dpex.dispatcher import assignment, polls
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.liveness import unreachable
@@ -46,14 +46,19 @@ class DispatcherCore(Journaled):
             self.seen.keep_workers(self.state.workers)  # one replaced on this address is gone
         log.info("worker registered", extra=fields(worker_id=worker_id, address=request.address,
                                                    versions=version.describe(request.versions)))
-        return dpb.RegisterWorkerResponse(worker_id=worker_id)
+        return dpb.RegisterWorkerResponse(worker_id=worker_id, worker_key=keys.worker_key(self.keys.secret, worker_id),
+                                          keys_secret=self.keys.secret)
 
     async def worker_heartbeat(self, request, peer: str):
-        return await polls.heartbeat(self, request)
+        self.trusted_only(peer, "answers workers")
+        return await polls.heartbeat(self, request, peer)
 
     def deregister_worker(self, request, peer: str):
+        self.trusted_only(peer, "answers workers")
         with self.lock:
             worker = self.state.workers.get(request.worker_id)
+            if worker is not None:
+                self.keys.check_worker(worker.worker_id, request.worker_key, peer, "DeregisterWorker")
             if worker is not None and worker.alive:
                 log.info("worker is leaving; re-planning its splits",
                          extra=fields(worker_id=worker.worker_id, address=worker.address,
@@ -62,6 +67,7 @@ class DispatcherCore(Journaled):
         return dpb.DeregisterWorkerResponse()
 
     def report_worker(self, request, peer: str):
+        self.trusted_only(peer, "takes reports of workers")
         with self.lock:
             reported = [w.worker_id for w in self.state.alive_workers() if w.address == request.address]
         if not reported:
@@ -110,19 +116,22 @@ class DispatcherCore(Journaled):
                         f"job {job.name!r} already exists with a different {', '.join(differ)}"
                         f"{f' ({values})' if values else ''}; use another job_name or the same arguments{hint}")
                 self.seen.job(existing.job_id)
-                return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False)
+                return dpb.GetOrCreateJobResponse(job_id=existing.job_id, created=False,
+                                                  job_key=keys.job_key(self.keys.secret, existing.job_id))
             job_id = secrets.randbits(63)
             self.apply(create_job=jpb.CreateJob(job_id=job_id, job=job))
             self.seen.job(job_id)
         log.info("job created", extra=fields(job_id=job_id, job_name=job.name,
                                              consumers=job.num_consumers, peer=peer))
-        return dpb.GetOrCreateJobResponse(job_id=job_id, created=True)
+        return dpb.GetOrCreateJobResponse(job_id=job_id, created=True, job_key=keys.job_key(self.keys.secret, job_id))
 
     def get_job(self, request, peer: str):
+        self.trusted_only(peer, "answers workers")
         with self.lock:
-            return dpb.GetJobResponse(job=self.job(request.job_id).definition)
+            return dpb.GetJobResponse(job=self.job_of(request, peer, "GetJob").definition)
 
     def submit_plan(self, request, peer: str):
+        self.trusted_only(peer, "takes plans")
         if sum(map(bool, (request.num_streams, request.batches or request.upload_id,
                           request.HasField("sampler")))) > 1:
             raise DpexConfigError("a plan has one of batches, a sampler or streams")
@@ -137,7 +146,7 @@ class DispatcherCore(Journaled):
             num_batches, digest = 0, PlanHash(request.base_seed, request.num_streams).digest()
         else:  # explicit batches: on disk, chunk by chunk
             with self.lock:
-                self.job(request.job_id)
+                self.job_of(request, peer, "SubmitPlan")
             upload_id = request.upload_id or secrets.randbits(63) + 1
             upload = self.plan_files.add(upload_id, request.chunk, request.batches,
                                           self.config.split_size_batches, meta)
@@ -152,7 +161,7 @@ class DispatcherCore(Journaled):
             raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
                                   f"limit of {self.config.max_plan_batches} (--max-plan-batches)")
         with self.lock:
-            job = self.job(request.job_id)
+            job = self.job_of(request, peer, "SubmitPlan")
             if request.consumer_index >= job.definition.num_consumers:
                 raise DpexConfigError(f"consumer_index {request.consumer_index} is out of range for "
                                       f"a job with {job.definition.num_consumers} consumers")
@@ -186,10 +195,14 @@ class DispatcherCore(Journaled):
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
 
     async def sync_consumer(self, request, peer: str):
+        self.trusted_only(peer, "syncs trainers")
         return await polls.sync(self, request, peer)
 
     def release_consumer(self, request, peer: str):
+        self.trusted_only(peer, "releases trainers' epochs")
         with self.lock:
+            if request.job_id in self.state.jobs:  # a job gone has nothing to release
+                self.keys.check_job(request.job_id, request.job_key, peer, "ReleaseConsumer")
             key = (request.job_id, request.consumer_index)
             if not self.claims.holds(key, request.client_id):  # another loader's: not this one's to end
                 return dpb.ReleaseConsumerResponse()
@@ -208,6 +221,10 @@ class DispatcherCore(Journaled):
                 release.epoch = plan.epoch
             self.apply(release_consumer=release)
         return dpb.ReleaseConsumerResponse()
+
+    def get_status(self, request, peer: str) -> dpb.GetStatusResponse:
+        self.trusted_only(peer, "tells its status")
+        return self.status()
 
     def status(self) -> dpb.GetStatusResponse:
         """Workers, jobs and counters, for `dpex status` and the metrics endpoint."""

@@ -20,7 +20,8 @@ from dpex.dispatcher.scaling import Decision, Policy, ScalingConfig
 from dpex.dispatcher.state import DispatcherState, Job, Split
 from dpex.dispatcher.store import Store
 from dpex.dispatcher.waiters import Poll, Waiters
-from dpex.errors import GOING_AWAY, JOB_COLLECTED, DpexAuthError, DpexConnectionError, DpexNotFoundError
+from dpex.keys import JobKeys, Refusals, load_secret
+from dpex.errors import GOING_AWAY, JOB_COLLECTED, DpexConnectionError, DpexNotFoundError
 from dpex.plan.seq import split_seqs
 from dpex.procutil import temp_dir
 from dpex.proto import dispatcher_pb2 as dpb
@@ -56,6 +57,8 @@ class Journaled:
         self._own_plan_dir = None if config.work_dir else temp_dir("dispatcher")
         self.plan_files = PlanFiles(os.path.join(config.work_dir, "plans") if config.work_dir
                                     else self._own_plan_dir)
+        # Which job or worker a call may touch (dpex.keys); its own lock.
+        self.keys = JobKeys(load_secret(config.work_dir), Refusals(log))
         if self.store is not None:
             self._recover()
 
@@ -148,11 +151,19 @@ class Journaled:
         self.claims.take(key, request.client_id, peer, job_name, busy, takeover)
 
     def trusted_only(self, peer: str, what: str) -> None:
-        """Without a token, code and unpickled batches come only from loopback peers."""
+        """Without a token, every call comes from a loopback peer (code and
+        unpickled batches, jobs' names and epochs), unless --allow-unauthenticated."""
         if not (self.config.auth_token or self.config.allow_unauthenticated or is_loopback_peer(peer)):
-            raise DpexAuthError(
-                f"this dispatcher has no auth token, so it {what} only from loopback peers; give it a token "
-                "(--auth-token-file / DPEX_AUTH_TOKEN) or --allow-unauthenticated")
+            raise self.keys.refusals.refuse(
+                "not loopback", peer, f"this dispatcher has no auth token, so it {what} only from loopback "
+                "peers; give it a token (--auth-token-file / DPEX_AUTH_TOKEN) or --allow-unauthenticated")
+
+    def job_of(self, request: Any, peer: str, call: str) -> Job:
+        """The job ``request`` names, if it carries the job's key (DpexAuthError
+        if not; DpexNotFoundError if there is no such job); the caller holds ``lock``."""
+        job = self.job(request.job_id)
+        self.keys.check_job(request.job_id, request.job_key, peer, call)
+        return job
 
     def describe(self, split: Split, out: dpb.Split) -> None:
         """A split as a worker gets it: its batches, or how to compute them."""

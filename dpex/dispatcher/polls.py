@@ -17,7 +17,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
 
-async def heartbeat(j: Journaled, request: dpb.WorkerHeartbeatRequest) -> dpb.WorkerHeartbeatResponse:
+async def heartbeat(j: Journaled, request: dpb.WorkerHeartbeatRequest, peer: str) -> dpb.WorkerHeartbeatResponse:
     """A worker's heartbeat: its load noted, splits chosen for it, and the
     answer given once there is work or something to drop, or at the interval."""
     held = set(request.held_split_ids)
@@ -26,6 +26,7 @@ async def heartbeat(j: Journaled, request: dpb.WorkerHeartbeatRequest) -> dpb.Wo
         worker = j.state.workers.get(request.worker_id)
         if worker is None or not worker.alive:
             raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
+        j.keys.check_worker(worker.worker_id, request.worker_key, peer, "WorkerHeartbeat")
         first = worker.worker_id not in j.seen.loads  # since it registered, or since we started
         j.seen.worker(worker.worker_id, request.load)
     # Jittered, so that a fleet that started (or reconnected) at once spreads
@@ -66,7 +67,7 @@ async def sync(j: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> dpb
     for given an owner, and its plan's owners once they change."""
     deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0) * random.uniform(0.8, 1.0)  # jittered
     with j.lock:
-        job = j.job(request.job_id)
+        job = j.job_of(request, peer, "SyncConsumer")
         j.claim(request, peer, job.definition.name)  # again after a restart of this dispatcher
         plan = j.state.plan(request.job_id, request.consumer_index, request.epoch)
         if plan is None:

@@ -91,4 +91,4 @@ class DispatcherService(dgrpc.DispatcherServicer):
     @servicer_method
     @answered_durably
     def GetStatus(self, request, context):
-        return self.core.status()
+        return self.core.get_status(request, context.peer())

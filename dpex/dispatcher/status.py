@@ -6,6 +6,7 @@ import time
 from typing import Iterable
 
 from dpex import version
+from dpex.auth import refusals
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.state import Job
 from dpex.plan.spec import content_differences
@@ -27,6 +28,7 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
         response.versions.CopyFrom(version.versions())
         if j.store is not None:
             response.journal_write_errors_total, response.journal_failing = j.store.write_errors, j.store.failing
+        response.refused_calls_total.update(j.keys.refusals.counts + refusals.counts)  # by keys, by token
         for w in state.workers.values():
             response.workers.add(worker_id=w.worker_id, address=w.address,
                                  state="alive" if w.alive else "left" if w.left else "lost",

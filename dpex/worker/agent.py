@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import math
 import os
@@ -11,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from dpex import keys
 from dpex.auth import load_ca
 from dpex.config import WorkerConfig
 from dpex.errors import DpexCancelledError, DpexConnectionError, DpexError, DpexNotFoundError
@@ -46,6 +48,7 @@ class DispatcherAgent:
         self._nudge = threading.Event()  # room freed: a pause between heartbeats ends
         scheduler.on_capacity = self._room_freed
         self.worker_id = ""
+        self._worker_key = self._keys_secret = b""  # from the registration (dpex.keys)
         self.registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpex-agent")
 
@@ -121,10 +124,21 @@ class DispatcherAgent:
         response = self._rpc(self._stub.RegisterWorker,
                              dpb.RegisterWorkerRequest(address=self._address, versions=versions()), timeout_s=10)
         self.worker_id = response.worker_id
+        self._worker_key, self._keys_secret = response.worker_key, response.keys_secret
         self.registered.set()
         set_context(worker_id=self.worker_id)
         log.info("registered with the dispatcher",
                  extra=fields(dispatcher=self._config.dispatcher, address=self._address))
+
+    def job_key(self, job_id: int) -> bytes:
+        """Job ``job_id``'s key (dpex.keys), as the dispatcher hands it to the job's loaders."""
+        return keys.job_key(self._keys_secret, job_id)
+
+    def is_job_key(self, job_id: int, given: bytes) -> bool | None:
+        """Whether ``given`` is job ``job_id``'s key; None until registered (no secret yet)."""
+        if not self._keys_secret:
+            return None
+        return hmac.compare_digest(given, self.job_key(job_id))
 
     def ensure_job(self, job_id: int) -> None:
         path = self.job_path(job_id)
@@ -133,7 +147,8 @@ class DispatcherAgent:
                 with open(path, "rb") as f:
                     self._know(job_id, dpb.JobDef.FromString(f.read()))
             return
-        job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id), timeout_s=30).job
+        job = self._rpc(self._stub.GetJob, dpb.GetJobRequest(job_id=job_id, job_key=self.job_key(job_id)),
+                        timeout_s=30).job
         # A file of this call's own: two trainers may ask about one job at once.
         fd, tmp = tempfile.mkstemp(dir=self._job_dir, prefix=f"job-{job_id}-", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -168,7 +183,7 @@ class DispatcherAgent:
                                                  load=self._scheduler.load(),
                                                  saturated=[dpb.ConsumerRef(job_id=j, consumer_index=c)
                                                             for j, c in saturated],
-                                                 job_ids=self._kept_jobs())
+                                                 job_ids=self._kept_jobs(), worker_key=self._worker_key)
             try:
                 started = time.monotonic()
                 # Registered: a dispatcher outage is waited out, however long (it may come back from its journal).
@@ -220,7 +235,8 @@ class DispatcherAgent:
             self._thread.join()
         if deregister and self.registered.is_set():
             try:
-                call(self._stub.DeregisterWorker, dpb.DeregisterWorkerRequest(worker_id=self.worker_id),
+                call(self._stub.DeregisterWorker, dpb.DeregisterWorkerRequest(worker_id=self.worker_id,
+                                                                              worker_key=self._worker_key),
                      target=f"dispatcher {self._config.dispatcher}", timeout_s=5)
             except DpexError as e:
                 log.warning("could not deregister (%s); the heartbeat timeout will do it", e)

@@ -17,7 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
-from dpex.auth import is_loopback_host, server_credentials
+from dpex import auth
+from dpex.auth import is_loopback_host, is_loopback_peer, server_credentials
+from dpex.keys import Refusals
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
 from dpex.procutil import temp_dir
@@ -121,9 +123,12 @@ class WorkerServer:
                                        worker_address=self.address, meter=Meter(config.processes))
             if config.data_port is not None and not config.tls_cert_file:
                 self.data_port = DataPort(config.host, config.data_port)
+            self.refusals = Refusals(log)
             self.service = WorkerService(self.scheduler, self._inspect, max_frame_bytes=config.max_message_bytes,
                                          worker_address=self.address, blocking=self._stream_threads,
-                                         max_streams=config.max_loaders, shared_memory=config.shared_memory,
+                                         max_streams=config.max_loaders, is_job_key=self._is_job_key,
+                                         refusals=self.refusals, open_to=self._open_to,
+                                         shared_memory=config.shared_memory,
                                          spare_files=config.processes, data_port=self.data_port)
             self._health = self._loop.run(self._serve(self.service))
             if config.metrics_port is not None:  # scraped as soon as it serves, while it may still wait for the dispatcher
@@ -179,8 +184,20 @@ class WorkerServer:
         limit.add_metric([], self.service.streams.limit)
         refused = CounterMetricFamily("dpex_worker_fetch_refused", "Loaders refused: the limit was reached.")
         refused.add_metric([], self.service.streams.refused)
-        return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes, limit, refused,
+        calls_refused = CounterMetricFamily("dpex_worker_refused_calls", "Calls refused, by reason: a wrong "
+                                            "or missing token, a job's key (another job's batches), a peer "
+                                            "beyond loopback without a token.", labels=["reason"])
+        for reason, count in sorted((self.refusals.counts + auth.refusals.counts).items()):
+            calls_refused.add_metric([reason], count)
+        return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes, limit, refused, calls_refused,
                 *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
+
+    def _is_job_key(self, job_id: int, given: bytes) -> bool | None:
+        return None if self.agent is None else self.agent.is_job_key(job_id, given)
+
+    def _open_to(self, peer: str) -> bool:
+        """Without a token, loopback peers only (unless --allow-unauthenticated)."""
+        return bool(self.config.auth_token or self.config.allow_unauthenticated) or is_loopback_peer(peer)
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None

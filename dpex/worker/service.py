@@ -15,6 +15,8 @@ import grpc
 
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import servicer_method
+from dpex.errors import DpexAuthError
+from dpex.keys import Refusals
 from dpex.wire import build_frame, parse_frame
 from dpex import shm
 from dpex.worker.dataport import DataPort, Sender
@@ -61,6 +63,10 @@ class _Outbox:
             shm.discard(frame)
         else:
             self._queue.put_nowait(frame)
+
+    def put_nowait(self, item: object) -> None:
+        """From the loop: ``item`` is taken next (a :class:`_Refused`)."""
+        self._queue.put_nowait(item)
 
     async def get(self) -> "bytes | Handoff":
         return await self._queue.get()
@@ -112,15 +118,32 @@ class StreamLimit:
         return message
 
 
+class _Refused:
+    """Put in a stream's outbox by its reader: the stream ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+def open_to_all(peer: str) -> bool:
+    return True
+
+
 class WorkerService:
     def __init__(self, scheduler: Scheduler, inspect: Callable[[int], bytes], *,
                  max_frame_bytes: int, worker_address: str, blocking: Executor, max_streams: int,
+                 is_job_key: Callable[[int, bytes], bool | None], refusals: Refusals,
+                 open_to: Callable[[str], bool] = open_to_all,
                  shared_memory: bool = True, spare_files: int = 0, data_port: DataPort | None = None) -> None:
         """``blocking``: threads for a stream's blocking steps; ``max_streams``:
-        open Fetch streams at most (:class:`StreamLimit`); ``spare_files``:
-        hand-off files kept for reuse once sent (dpex.shm); ``data_port``:
-        frames to trainers that ask go over a socket of it (dpex.worker.dataport)."""
+        open Fetch streams at most (:class:`StreamLimit`); ``is_job_key(job_id,
+        key)``: whether a request's key is its job's (None: not known yet);
+        ``open_to(peer)``: whether that peer may call at all (without a token,
+        loopback peers only); ``spare_files``: hand-off files kept for reuse
+        once sent (dpex.shm); ``data_port``: frames to trainers that ask go
+        over a socket of it (dpex.worker.dataport)."""
         self._blocking = blocking
+        self._is_job_key, self._refusals, self._open_to = is_job_key, refusals, open_to
         self.streams = StreamLimit(max_streams)
         self._data_port = data_port
         self._scheduler = scheduler
@@ -142,7 +165,21 @@ class WorkerService:
         })
 
     def Inspect(self, request, context):
+        self._admit(context.peer())
+        if not self._is_job_key(request.job_id, request.job_key):
+            raise self._refusals.refuse("job key", context.peer(), self._no_key(request.job_id, "Inspect"))
         return self._inspect(request.job_id)  # already serialized by the pool
+
+    def _admit(self, peer: str) -> None:
+        if not self._open_to(peer):
+            raise self._refusals.refuse("not loopback", peer, (
+                f"worker {self._address} has no auth token, so it serves loopback peers only; give the "
+                "cluster a token (--auth-token-file / DPEX_AUTH_TOKEN) or --allow-unauthenticated"))
+
+    @staticmethod
+    def _no_key(job_id: int, call: str) -> str:
+        return (f"{call} names job {job_id} without its key: only the loaders that made or joined a job "
+                "fetch its batches")
 
     async def Fetch(self, request_iterator, context: grpc.aio.ServicerContext):
         """A coroutine on the server's loop: an open stream holds no thread,
@@ -150,14 +187,25 @@ class WorkerService:
         (the scheduler's lock, reading a file, pairing a socket) run in
         ``blocking``'s threads."""
         loop = asyncio.get_running_loop()
+        try:
+            self._admit(context.peer())
+        except DpexAuthError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         if not self.streams.open():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 self.streams.refusal(context.peer(), self._address))
         out = _Outbox(loop)
 
         async def read() -> None:
+            keyed: set[tuple[int, bytes]] = set()  # (job, key) pairs checked already
             try:
                 async for r in request_iterator:
+                    if (r.job_id, r.job_key) not in keyed:
+                        refused = self._refusal(r, context.peer())
+                        if refused is not None:
+                            out.put_nowait(refused)
+                            return
+                        keyed.add((r.job_id, r.job_key))
                     await loop.run_in_executor(self._blocking, self._request, r, out)
             except Exception as e:  # the client went away mid-message
                 log.debug("fetch stream closed: %s", e)
@@ -176,6 +224,8 @@ class WorkerService:
                     sender = await self._data_socket(context)
             while True:
                 frame = await out.get()
+                if isinstance(frame, _Refused):
+                    await context.abort(frame.code, frame.message)
                 self._meter.sent(shm.size_of(frame))
                 if same_host and isinstance(frame, Handoff):
                     pointed.append(frame)
@@ -197,6 +247,16 @@ class WorkerService:
             self.streams.close()
             # Off the loop (a lock, a thread joined); the frames that came meanwhile are discarded.
             await asyncio.shield(loop.run_in_executor(self._blocking, self._end, out, sender, list(pointed)))
+
+    def _refusal(self, r: wpb.FetchRequest, peer: str) -> "_Refused | None":
+        """Why a request is refused (None: it is not)."""
+        ok = self._is_job_key(r.job_id, r.job_key)
+        if ok is None:  # no secret yet: asked again once this worker has registered
+            return _Refused(grpc.StatusCode.UNAVAILABLE, f"worker {self._address} has not registered yet")
+        if not ok:
+            error = self._refusals.refuse("job key", peer, self._no_key(r.job_id, "Fetch"))
+            return _Refused(grpc.StatusCode.PERMISSION_DENIED, str(error))
+        return None
 
     def _request(self, r: wpb.FetchRequest, sink: Callable) -> None:
         for seq in (r.seq, *r.more_seqs):

@@ -133,21 +133,64 @@ def test_health_checks_answer_without_a_token(secured):
                 assert got.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_forged_call_without_a_client_id_neither_acks_nor_cancels_a_trainers_epoch(cluster):
-    # SyncConsumer and ReleaseConsumer with client_id=0 passed the ownership check: forged acks stalled a
-    # trainer ("176 batches missing") and a forged release cancelled its epoch (issue 61).
+def test_only_a_jobs_loaders_touch_its_epochs_definition_and_batches():
+    # Issue 61: any peer could read a job's definition (GetJob), ack or cancel a trainer's epoch
+    # (SyncConsumer, ReleaseConsumer with client_id=0), read its batches from a worker (Fetch with a job id
+    # from `dpex status`) and deregister workers. Every such call now needs the job's (worker's) key.
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    from dpex.proto import worker_pb2_grpc as wgrpc
+    from tests.integration.test_observability import scrape, total
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
+    with dpex.testing.test_cluster(num_workers=1, metrics=True) as c, \
+            dpex.RemoteDataLoader(c.address, spec, batch_size=2, job_name="victim", timeout=30) as dl:
+        it = iter(dl)
+        got = next(it)["y"].tolist()
+        stub = dgrpc.DispatcherStub(channel(c.address))
+        victim = dict(job_id=dl.job_id, consumer_index=0, epoch=0)
+        forged = [lambda: stub.GetJob(dpb.GetJobRequest(job_id=dl.job_id), timeout=10),
+                  lambda: stub.SyncConsumer(dpb.SyncConsumerRequest(**victim, delivered_seqs=list(range(20))),
+                                            timeout=10),
+                  lambda: stub.ReleaseConsumer(dpb.ReleaseConsumerRequest(**victim), timeout=10),
+                  lambda: stub.SubmitPlan(dpb.SubmitPlanRequest(**victim, job_key=b"0" * 16, num_streams=1),
+                                          timeout=10)]
+        worker = wgrpc.WorkerStub(channel(c.worker_addresses[0]))
+        forged += [lambda: worker.Inspect(wpb.InspectRequest(job_id=dl.job_id), timeout=10),
+                   lambda: list(worker.Fetch(iter([wpb.FetchRequest(**victim, seq=5)]), timeout=10))]
+        for call in forged:
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+            assert f"names job {dl.job_id} without its key" in refused.value.details()
+        status = stub.GetStatus(dpb.GetStatusRequest(), timeout=10)
+        (w,) = status.workers
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.DeregisterWorker(dpb.DeregisterWorkerRequest(worker_id=w.worker_id), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        got += [y for batch in it for y in batch["y"].tolist()]
+        assert got == list(range(40))  # the victim's epoch, whole
+        assert total(scrape(c.dispatcher.metrics_url), "dpex_refused_calls_total", reason="job key") == 4
+        assert total(scrape(c.dispatcher.metrics_url), "dpex_refused_calls_total", reason="worker key") == 1
+        assert total(scrape(c.workers[0].metrics_url), "dpex_worker_refused_calls_total", reason="job key") == 2
+        assert "refused a call from ipv4:127.0.0.1" in open(c.dispatcher.log_path).read()
+        shown = run("dpex", "status", "--dispatcher", c.address)
+        assert "calls refused: 4 for job key, 1 for worker key" in shown.stdout, shown.stdout + shown.stderr
+        assert stub.GetStatus(dpb.GetStatusRequest(), timeout=10).workers[0].state == "alive"
+
+
+def test_a_loader_that_joined_a_job_cannot_take_another_loaders_consumer_with_client_id_0(cluster):
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
-    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=2, job_name="victim", timeout=30) as dl:
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=2, job_name="held", timeout=30) as dl:
         it = iter(dl)
         got = next(it)["y"].tolist()
         stub = dgrpc.DispatcherStub(channel(cluster.address))
+        key = dl._job_key  # as any loader of that name and settings gets it from GetOrCreateJob
         with pytest.raises(grpc.RpcError) as refused:
-            stub.SyncConsumer(dpb.SyncConsumerRequest(job_id=dl.job_id, consumer_index=0, epoch=0,
+            stub.SyncConsumer(dpb.SyncConsumerRequest(job_id=dl.job_id, job_key=key, consumer_index=0, epoch=0,
                                                       delivered_seqs=list(range(20)), client_id=0), timeout=10)
         assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS and "in use by another loader" in \
             refused.value.details()
-        stub.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=dl.job_id, consumer_index=0, epoch=0, client_id=0),
-                             timeout=10)  # answered, and nothing done
+        stub.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=dl.job_id, job_key=key, consumer_index=0, epoch=0,
+                                                        client_id=0), timeout=10)  # answered, and nothing done
         got += [y for batch in it for y in batch["y"].tolist()]
     assert got == list(range(40))

@@ -88,7 +88,7 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
             wait_until(lambda: store.appended == 1, what="the registration written")
             assert not registered.done() and store.durable == 0
             gate.set()
-            worker_id = registered.result(timeout=10).worker_id
+            worker = registered.result(timeout=10)
             assert store.durable >= 1
             gate.clear()
             job = stub.GetOrCreateJob.future(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
@@ -96,12 +96,14 @@ def test_no_answer_goes_out_before_the_updates_it_reflects_are_durable(tmp_path)
             wait_until(lambda: store.appended == 2, what="the job written")
             assert not job.done()
             gate.set()
-            job_id = job.result(timeout=10).job_id
+            made = job.result(timeout=10)
             gate.clear()
             sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=16, batch_size=2,
                                       kind=dpb.SamplerSpec.SEQUENTIAL)
-            plan = stub.SubmitPlan.future(dpb.SubmitPlanRequest(job_id=job_id, epoch=0, sampler=sampler))
-            beat = stub.WorkerHeartbeat.future(dpb.WorkerHeartbeatRequest(worker_id=worker_id, want_splits=2))
+            plan = stub.SubmitPlan.future(dpb.SubmitPlanRequest(job_id=made.job_id, job_key=made.job_key, epoch=0,
+                                                                sampler=sampler))
+            beat = stub.WorkerHeartbeat.future(dpb.WorkerHeartbeatRequest(worker_id=worker.worker_id, want_splits=2,
+                                                                          worker_key=worker.worker_key))
             wait_until(lambda: store.appended == 4, what="the plan and the assignment written")
             assert not plan.done() and not beat.done()  # the splits are chosen, but not durably yet
             gate.set()

@@ -27,12 +27,15 @@ async def _fleet(address: str, pid: int) -> tuple[list[float], list[float], int,
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(POLLS // 100)]
     stubs = [dgrpc.DispatcherStub(ch) for ch in channels]
-    ids = [(await stubs[0].RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address=f"10.1.{i // 250}.{i % 250}:1"),
-                                          timeout=30)).worker_id for i in range(POLLS)]
+    registered = [await stubs[0].RegisterWorker(dpb.RegisterWorkerRequest(
+        versions=versions(), address=f"10.1.{i // 250}.{i % 250}:1"), timeout=30) for i in range(POLLS)]
+    ids = [r.worker_id for r in registered]
+    keys = {r.worker_id: r.worker_key for r in registered}
 
     async def idle(k: int, worker_id: str) -> float:
         started = time.monotonic()
-        r = await stubs[k % len(stubs)].WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id),
+        r = await stubs[k % len(stubs)].WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=worker_id,
+                                                                                   worker_key=keys[worker_id]),
                                                         timeout=INTERVAL_S + 30)
         assert not r.splits and not r.release_split_ids and not r.pause  # (room for every poll)
         return time.monotonic() - started
@@ -51,13 +54,13 @@ async def _fleet(address: str, pid: int) -> tuple[list[float], list[float], int,
     # A worker asking for splits waits (the longest interval) until a plan
     # comes, and is answered as soon as it does.
     hungry = asyncio.ensure_future(stubs[0].WorkerHeartbeat(
-        dpb.WorkerHeartbeatRequest(worker_id=ids[0], want_splits=1), timeout=60))
+        dpb.WorkerHeartbeatRequest(worker_id=ids[0], worker_key=keys[ids[0]], want_splits=1), timeout=60))
     job = await stubs[1].GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
         name="fleet", dataset=b"x", num_consumers=1, batch_size=4)))
     sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=400, batch_size=4,
                               kind=dpb.SamplerSpec.SEQUENTIAL)
     submitted = time.monotonic()
-    await stubs[1].SubmitPlan(dpb.SubmitPlanRequest(job_id=job.job_id, epoch=0, sampler=sampler))
+    await stubs[1].SubmitPlan(dpb.SubmitPlanRequest(job_id=job.job_id, job_key=job.job_key, epoch=0, sampler=sampler))
     assert (await hungry).splits
     woken = time.monotonic() - submitted
     for ch in channels:
@@ -105,23 +108,28 @@ def test_a_delivered_split_is_dropped_with_the_next_answer_a_cancelled_one_at_on
     with test_cluster(num_workers=0, heartbeat_interval_s=interval, heartbeat_timeout_s=60,
                       split_size_batches=4) as c, grpc.insecure_channel(c.address) as ch:
         d = dgrpc.DispatcherStub(ch)
-        w = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1")).worker_id
-        job = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
-            name="settled", dataset=b"x", num_consumers=1, batch_size=4))).job_id
+        registered = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1"))
+        w, wkey = registered.worker_id, registered.worker_key
+        made = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
+            name="settled", dataset=b"x", num_consumers=1, batch_size=4)))
+        job, key = made.job_id, made.job_key
         sampler = dpb.SamplerSpec(torch_version=samplers.torch_version(), length=32, batch_size=4,
                                   kind=dpb.SamplerSpec.SEQUENTIAL)
-        d.SubmitPlan(dpb.SubmitPlanRequest(job_id=job, epoch=0, sampler=sampler))
-        held = [s.split_id for s in d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, want_splits=2),
+        d.SubmitPlan(dpb.SubmitPlanRequest(job_id=job, job_key=key, epoch=0, sampler=sampler))
+        held = [s.split_id for s in d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, worker_key=wkey,
+                                                                                 want_splits=2),
                                                       timeout=30).splits]
         assert len(held) == 2
-        d.SyncConsumer(dpb.SyncConsumerRequest(job_id=job, consumer_index=0, epoch=0,
+        d.SyncConsumer(dpb.SyncConsumerRequest(job_id=job, job_key=key, consumer_index=0, epoch=0,
                                                delivered_seqs=[0, 1, 2, 3]))  # the first split, in full
         started = time.monotonic()
-        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, held_split_ids=held), timeout=30)
+        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, worker_key=wkey, held_split_ids=held),
+                              timeout=30)
         assert list(r.release_split_ids) == held[:1]
         assert time.monotonic() - started >= 0.75 * interval  # not an answer of its own
-        d.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=job, consumer_index=0, epoch=0))  # epoch left
+        d.ReleaseConsumer(dpb.ReleaseConsumerRequest(job_id=job, job_key=key, consumer_index=0, epoch=0))  # left
         started = time.monotonic()
-        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, held_split_ids=held[1:]), timeout=30)
+        r = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=w, worker_key=wkey, held_split_ids=held[1:]),
+                              timeout=30)
         assert list(r.release_split_ids) == held[1:]
         assert time.monotonic() - started < 0.5 * interval  # at once: the worker frees what it holds

@@ -138,18 +138,23 @@ def test_a_lost_workers_split_names_what_was_delivered_to_its_new_owner():
     learns which batches the trainer acknowledged, so it does not make them again."""
     with test_cluster(num_workers=0, split_size_batches=4) as c, grpc.insecure_channel(c.address) as ch:
         d = dgrpc.DispatcherStub(ch)
-        a = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1")).worker_id
-        b = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:2")).worker_id
+        ra = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:1"))
+        rb = d.RegisterWorker(dpb.RegisterWorkerRequest(versions=versions(), address="127.0.0.1:2"))
+        a, b = ra.worker_id, rb.worker_id
         job = dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec("dpex.testing.datasets:Squares", n=16)),
                          num_consumers=1)
-        job_id = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=job)).job_id
-        d.SubmitPlan(dpb.SubmitPlanRequest(job_id=job_id, consumer_index=0, epoch=0, base_seed=1,
+        made = d.GetOrCreateJob(dpb.GetOrCreateJobRequest(job=job))
+        job_id, key = made.job_id, made.job_key
+        d.SubmitPlan(dpb.SubmitPlanRequest(job_id=job_id, job_key=key, consumer_index=0, epoch=0, base_seed=1,
                                            batches=[dpb.IndexBatch(indices=[i]) for i in range(8)]))
-        first = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=a, want_splits=1)).splits
+        first = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=a, worker_key=ra.worker_key,
+                                                             want_splits=1)).splits
         assert [(s.first_seq, list(s.delivered_seqs)) for s in first] == [(0, [])]
-        d.SyncConsumer(dpb.SyncConsumerRequest(job_id=job_id, consumer_index=0, epoch=0, delivered_seqs=[0, 1]))
-        d.DeregisterWorker(dpb.DeregisterWorkerRequest(worker_id=a))
-        taken = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=b, want_splits=2)).splits
+        d.SyncConsumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=key, consumer_index=0, epoch=0,
+                                               delivered_seqs=[0, 1]))
+        d.DeregisterWorker(dpb.DeregisterWorkerRequest(worker_id=a, worker_key=ra.worker_key))
+        taken = d.WorkerHeartbeat(dpb.WorkerHeartbeatRequest(worker_id=b, worker_key=rb.worker_key,
+                                                             want_splits=2)).splits
         assert sorted((s.first_seq, list(s.delivered_seqs)) for s in taken) == [(0, [0, 1]), (4, [])]
 
 

@@ -3,6 +3,7 @@ import asyncio
 
 import pytest
 
+from dpex import keys
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.core import DispatcherCore
 from dpex.proto import dispatcher_pb2 as dpb
@@ -32,19 +33,29 @@ def make_core():
         core.close()
 
 
+def job_key(core, job_id):
+    """The key GetOrCreateJob hands the job's loaders (dpex.keys)."""
+    return keys.job_key(core.keys.secret, job_id)
+
+
+def worker_key(core, worker_id):
+    """The key RegisterWorker hands the worker."""
+    return keys.worker_key(core.keys.secret, worker_id)
+
+
 def job(core, name="", consumers=1):
     return core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(
         name=name, dataset=b"spec", num_consumers=consumers, batch_size=4)), LOCAL).job_id
 
 
 def plan(core, job_id, num_batches, consumer=0, epoch=0, client=1):
-    request = dpb.SubmitPlanRequest(job_id=job_id, consumer_index=consumer, epoch=epoch, base_seed=3,
+    request = dpb.SubmitPlanRequest(job_id=job_id, job_key=job_key(core, job_id), consumer_index=consumer, epoch=epoch, base_seed=3,
                                     client_id=client, batches=[dpb.IndexBatch(indices=[i]) for i in range(num_batches)])
     return core.submit_plan(request, LOCAL)
 
 
 def heartbeat(core, worker_id, want=4, held=()):
     return asyncio.run(core.worker_heartbeat(dpb.WorkerHeartbeatRequest(
-        worker_id=worker_id, want_splits=want, held_split_ids=held), LOCAL))
+        worker_id=worker_id, worker_key=worker_key(core, worker_id), want_splits=want, held_split_ids=held), LOCAL))
 
 

@@ -9,7 +9,7 @@ from dpex.dispatcher.reaper import Reaper
 from dpex.errors import DpexAuthError, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.version import versions
-from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan
+from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan, job_key
 
 
 def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_learns_their_owners(make_core):
@@ -20,7 +20,7 @@ def test_a_planned_epoch_goes_in_splits_to_the_workers_that_ask_and_the_trainer_
     splits = heartbeat(core, worker).splits
     assert [(s.first_seq, s.num_batches) for s in splits] == [(0, 2), (2, 2), (4, 1)]
     assert [list(b.indices) for b in splits[1].batches] == [[2], [3]]
-    sync = asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1), LOCAL))
+    sync = asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0, client_id=1), LOCAL))
     assert {(o.first_seq, o.worker_address) for o in sync.owners} == {(0, "10.0.0.2:7071"), (2, "10.0.0.2:7071"),
                                                                        (4, "10.0.0.2:7071")}
     status = core.status()
@@ -88,7 +88,7 @@ def test_unequal_plans_of_an_epoch_are_refused_whatever_the_timing(make_core, tm
     core = make_core(work_dir=str(tmp_path))
     named = job(core, "ddp", consumers=2)
     plan(core, named, 7, consumer=0, client=1)
-    core.release_consumer(dpb.ReleaseConsumerRequest(job_id=named, consumer_index=0, client_id=1), LOCAL)
+    core.release_consumer(dpb.ReleaseConsumerRequest(job_id=named, job_key=job_key(core, named), consumer_index=0, client_id=1), LOCAL)
     assert 0 not in core.state.jobs[named].plans  # rank 0 is gone; its epoch's count is not
     with pytest.raises(DpexConfigError, match="consumer 1 planned 6 batches for epoch 0 but consumer 0 planned 7"):
         plan(core, named, 6, consumer=1, client=2)
@@ -107,7 +107,7 @@ def test_a_worker_of_another_protocol_is_refused_naming_both_versions(make_core)
     core = make_core()
     other = dpb.Versions(dpex="0.0.9", protocol=0, torch="2.13.0", python="3.11.7")
     with pytest.raises(DpexConfigError, match=r"it is dpex 0\.0\.9 \(protocol 0, torch 2\.13\.0, Python 3\.11\.7\), "
-                                              r"the dispatcher dpex .* \(protocol 1, "):
+                                              r"the dispatcher dpex .* \(protocol 2, "):
         core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1", versions=other), LOCAL)
     worker = core.register_worker(dpb.RegisterWorkerRequest(address="10.0.0.2:1", versions=versions()), LOCAL)
     (seen,) = core.status().workers
@@ -129,3 +129,58 @@ def test_listening_beyond_loopback_without_a_token_is_a_warning(host, token, lev
         assert line.levelname == level and ("auth: NONE" in line.getMessage()) == (token is None)
     finally:
         server.close(0)
+
+
+def test_calls_on_a_job_or_a_worker_without_its_key_are_refused_logged_and_counted(make_core, tmp_path, caplog):
+    # Issue 61: any peer could read a job's definition, ack or release its epochs, and deregister workers.
+    core = make_core(work_dir=str(tmp_path))
+    registered = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:7071"),
+                                      LOCAL)
+    made = core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"spec", num_consumers=1,
+                                                                          batch_size=4)), LOCAL)
+    assert made.job_key == job_key(core, made.job_id) and len(made.job_key) == 16
+    plan(core, made.job_id, 4)
+    stranger = "ipv4:127.0.0.1:50000"
+    forged = [
+        lambda: core.get_job(dpb.GetJobRequest(job_id=made.job_id), stranger),
+        lambda: core.submit_plan(dpb.SubmitPlanRequest(job_id=made.job_id, job_key=b"x" * 16, epoch=1), stranger),
+        lambda: asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=made.job_id, epoch=0,
+                                                                       delivered_seqs=[0, 1, 2, 3]), stranger)),
+        lambda: core.release_consumer(dpb.ReleaseConsumerRequest(job_id=made.job_id), stranger),
+    ]
+    for call in forged:
+        with pytest.raises(DpexAuthError, match=f"names job {made.job_id} without its key"):
+            call()
+    for request in (dpb.DeregisterWorkerRequest(worker_id=registered.worker_id),
+                    dpb.WorkerHeartbeatRequest(worker_id=registered.worker_id, worker_key=b"y" * 16)):
+        with pytest.raises(DpexAuthError, match=f"names worker {registered.worker_id} without its key"):
+            (core.deregister_worker(request, stranger) if isinstance(request, dpb.DeregisterWorkerRequest)
+             else asyncio.run(core.worker_heartbeat(request, stranger)))
+    status = core.status()
+    assert dict(status.refused_calls_total) == {"job key": 4, "worker key": 2}
+    assert status.jobs[0].batches_delivered == 0 and status.workers[0].state == "alive"  # nothing took effect
+    assert f"refused a call from {stranger} (job key, 1 so far)" in caplog.text
+    # The job's own key works, and the keys outlive a restart (the secret is in the work dir).
+    assert core.get_job(dpb.GetJobRequest(job_id=made.job_id, job_key=made.job_key), LOCAL).job.batch_size == 4
+    core.close()
+    again = make_core(work_dir=str(tmp_path))
+    assert again.get_job(dpb.GetJobRequest(job_id=made.job_id, job_key=made.job_key), LOCAL).job.batch_size == 4
+    again.deregister_worker(dpb.DeregisterWorkerRequest(worker_id=registered.worker_id,
+                                                        worker_key=registered.worker_key), LOCAL)
+    assert again.status().workers[0].state == "left"
+
+
+def test_without_a_token_every_call_from_beyond_loopback_is_refused(make_core):
+    core = make_core()
+    made = core.get_or_create_job(dpb.GetOrCreateJobRequest(job=dpb.JobDef(dataset=b"spec", num_consumers=1,
+                                                                          batch_size=4)), LOCAL)
+    remote = "ipv4:10.1.2.3:40000"
+    for call in (lambda: core.get_status(dpb.GetStatusRequest(), remote),
+                 lambda: core.get_job(dpb.GetJobRequest(job_id=made.job_id, job_key=made.job_key), remote),
+                 lambda: core.report_worker(dpb.ReportWorkerRequest(address="10.0.0.2:7071"), remote),
+                 lambda: core.release_consumer(dpb.ReleaseConsumerRequest(job_id=made.job_id,
+                                                                          job_key=made.job_key), remote)):
+        with pytest.raises(DpexAuthError, match="has no auth token, so it .* only from loopback peers"):
+            call()
+    assert dict(core.status().refused_calls_total) == {"not loopback": 4}
+    assert make_core(auth_token="t").get_status(dpb.GetStatusRequest(), remote).uptime_s >= 0

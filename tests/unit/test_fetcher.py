@@ -1,3 +1,4 @@
+import logging
 """One epoch's iterator (dpex.client.fetcher) against real gRPC servers on
 loopback ports that play the dispatcher (owners, acks) and a worker (the
 Worker service over a scripted scheduler): batches come in plan order,
@@ -20,6 +21,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.testing import wait_until
 from dpex.wire import build_frame, encode_parts, frame_parts
 from dpex.worker.meter import Meter
+from dpex.keys import Refusals
 from dpex.testing.servers import serving
 from dpex.worker.service import WorkerService
 
@@ -84,7 +86,8 @@ def cluster():
     dispatcher_address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     service = WorkerService(worker, lambda job_id: b"", max_frame_bytes=1 << 20, worker_address="w",
-                            shared_memory=False, blocking=futures.ThreadPoolExecutor(4), max_streams=100)
+                            shared_memory=False, blocking=futures.ThreadPoolExecutor(4), max_streams=100,
+                            is_job_key=lambda job_id, key: True, refusals=Refusals(logging.getLogger()))
     with serving(service.handler()) as worker_address:
         dispatcher.worker = worker_address
         channel = grpc.insecure_channel(dispatcher_address)

@@ -37,10 +37,10 @@ def test_a_worker_whose_copy_differs_is_named_with_both_lengths_and_fingerprints
 def test_with_no_worker_it_waits_its_time_then_says_so():
     asked = []
     with pytest.raises(DpexConnectionError, match=r"no worker is registered with dispatcher x:1 \(waited 0.3s\)"):
-        inspect.on_workers(lambda: asked.append(1) or [], 1, None, None, 0.3, "dispatcher x:1")
+        inspect.on_workers(lambda: asked.append(1) or [], 1, b"", None, None, 0.3, "dispatcher x:1")
     assert len(asked) >= 2  # asked again while it waited
 
 
 def test_an_unreachable_worker_is_passed_over_for_the_others():
     with pytest.raises(DpexConnectionError, match="no worker is registered"):
-        inspect.on_workers(lambda: ["127.0.0.1:1"], 1, None, None, 0.0, "dispatcher x:1")
+        inspect.on_workers(lambda: ["127.0.0.1:1"], 1, b"", None, None, 0.0, "dispatcher x:1")

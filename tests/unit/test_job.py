@@ -118,6 +118,6 @@ def test_another_lane_makes_an_unnamed_job_of_the_same_definition():
         seen.append((request.job.name, request.settings_only))
         return dpb.GetOrCreateJobResponse(job_id=len(seen))
     request = dpb.GetOrCreateJobRequest(job=dpb.JobDef(name="shared", batch_size=2), settings_only=True)
-    assert jobs.make(call, FakeStub, request, named=True) == 1
-    assert jobs.make(call, FakeStub, request, named=False) == 2
+    assert jobs.make(call, FakeStub, request, named=True) == (1, b"")
+    assert jobs.make(call, FakeStub, request, named=False) == (2, b"")
     assert seen == [("shared", True), ("", False)] and request.job.name == "shared"

@@ -19,7 +19,7 @@ class Streams:
 
 
 def lane(job_id, released):
-    return Lane(job_id, Streams(), lambda: released.append(job_id))
+    return Lane(job_id, b"key", Streams(), lambda: released.append(job_id))
 
 
 def test_an_iter_while_an_epoch_is_read_opens_a_lane_and_free_lanes_are_reused():

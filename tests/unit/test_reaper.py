@@ -11,7 +11,7 @@ from dpex.dispatcher.reaper import Reaper
 from dpex.errors import JOB_COLLECTED, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.version import versions
-from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan
+from tests.unit.dispatching import LOCAL, Clock, heartbeat, job, plan, job_key
 
 
 def test_silence_and_idleness_are_collected_after_their_timeouts(make_core):
@@ -32,7 +32,7 @@ def test_silence_and_idleness_are_collected_after_their_timeouts(make_core):
     # A trainer that was only stalled syncs again: told why its epoch is gone (not "another trainer").
     with pytest.raises(DpexNotFoundError, match=r"epoch 0 was released: its trainer had not synced for 30s "
                                                 r"\(the dispatcher's --consumer-timeout\)"):
-        asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1), LOCAL))
+        asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0, client_id=1), LOCAL))
     clock.now += 61
     reaper.reap()
     assert [w.worker_id for w in core.status().workers] == [] and len(core.status().jobs) == 1
@@ -72,7 +72,7 @@ def test_the_scaling_policy_looks_at_what_the_trainers_said_and_status_tells_why
     plan(core, job_id, 8)
     reaper.reap()
     assert core.status().workers_wanted == 1
-    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1, workers_needed=3,
+    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0, client_id=1, workers_needed=3,
                                                            wait_fraction=0.45, batches_per_s=20), LOCAL))
     reaper.reap()
     status = core.status()

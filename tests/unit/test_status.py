@@ -5,14 +5,14 @@ import asyncio
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.version import versions
-from tests.unit.dispatching import LOCAL, heartbeat, job, plan
+from tests.unit.dispatching import LOCAL, heartbeat, job, plan, job_key, worker_key
 
 
 def test_workers_jobs_and_what_the_trainers_need(make_core):
     core = make_core()
     a = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:1"), LOCAL).worker_id
     b = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.3:1"), LOCAL).worker_id
-    core.deregister_worker(dpb.DeregisterWorkerRequest(worker_id=b), LOCAL)
+    core.deregister_worker(dpb.DeregisterWorkerRequest(worker_id=b, worker_key=worker_key(core, b)), LOCAL)
     job_id = job(core, "seen", consumers=2)
     plan(core, job_id, 7)  # 4 splits of 2
     assert len(heartbeat(core, a, want=1).splits) == 1
@@ -22,7 +22,7 @@ def test_workers_jobs_and_what_the_trainers_need(make_core):
     assert (j.name, j.num_consumers, j.batches_planned, j.splits_assigned, j.splits_unassigned) == ("seen", 2, 7, 1, 3)
     assert (j.state, j.consumers_active, list(j.epochs), status.workers_needed) == ("running", 1, [0], 0)
     assert status.worker_heartbeats_total == 1 and status.splits_assigned_total == 1
-    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, epoch=0, client_id=1,
+    asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0, client_id=1,
                                                            workers_needed=3), LOCAL))
     status = core.status()
     assert status.jobs[0].workers_needed == 3 and status.workers_needed == 3  # 1 alive + 2 more
@@ -37,7 +37,7 @@ def test_each_job_says_whether_it_shares_and_why_not(make_core):
             **{"batch_size": 4, **settings})), LOCAL).job_id
 
     def planned(job_id, seed=3, streams=0):
-        request = dpb.SubmitPlanRequest(job_id=job_id, epoch=0, base_seed=seed, client_id=job_id % 1000 + 1,
+        request = dpb.SubmitPlanRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0, base_seed=seed, client_id=job_id % 1000 + 1,
                                         num_streams=streams)
         if not streams:
             request.batches.extend(dpb.IndexBatch(indices=[i]) for i in range(4))
@@ -50,7 +50,7 @@ def test_each_job_says_whether_it_shares_and_why_not(make_core):
     planned(made("opted_out", no_share=True))
     planned(made("drawn", process_seeds=True))
     planned(made("streams", content=b"other"), streams=2)
-    core.release_consumer(dpb.ReleaseConsumerRequest(job_id=made("a"), client_id=made("a") % 1000 + 1), LOCAL)
+    core.release_consumer(dpb.ReleaseConsumerRequest(job_id=made("a"), job_key=job_key(core, made("a")), client_id=made("a") % 1000 + 1), LOCAL)
     why = {j.name: j.sharing for j in core.status().jobs}
     assert why == {
         "a": "with 1 job", "b": "with 1 job",  # a closed job's last plan still counts

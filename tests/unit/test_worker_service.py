@@ -2,6 +2,7 @@
 scheduler: a Fetch stream's requests reach the scheduler and their frames
 come back; an oversize frame becomes an error frame; a closed stream is
 cancelled; big frames to another host go over the data port."""
+import logging
 import queue
 import socket
 from concurrent import futures
@@ -9,6 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from dpex.keys import Refusals
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire.pairing import KEY_METADATA, PORT_METADATA, REQUEST_METADATA
 from dpex.testing import wait_until
@@ -19,6 +21,7 @@ from dpex.worker.meter import Meter
 from dpex.worker.service import WorkerService
 
 LIMIT = 1 << 20
+FORGED = b"forged"  # the one key the fixture's worker refuses
 MAX_STREAMS = 3
 
 
@@ -45,7 +48,8 @@ def worker():
     scheduler, port = Scheduler(), DataPort("127.0.0.1")
     service = WorkerService(scheduler, lambda job_id: wpb.InspectResponse(length=job_id * 10).SerializeToString(),
                             max_frame_bytes=LIMIT, worker_address="test-worker", shared_memory=False,
-                            data_port=port, blocking=futures.ThreadPoolExecutor(4), max_streams=MAX_STREAMS)
+                            data_port=port, blocking=futures.ThreadPoolExecutor(4), max_streams=MAX_STREAMS,
+                            is_job_key=lambda job_id, key: key != FORGED, refusals=Refusals(logging.getLogger()))
     with serving(service.handler()) as address:
         channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         yield scheduler, channel
@@ -133,3 +137,23 @@ def test_streams_past_the_limit_are_refused_with_a_message_and_counted(worker):
     again.cancel()
     for _, call in service_streams:
         call.cancel()
+
+
+def test_a_request_without_its_jobs_key_ends_the_stream_refused(worker):
+    scheduler, channel = worker
+    asks: queue.SimpleQueue = queue.SimpleQueue()
+    call = fetch(channel, iter(asks.get, None))
+    asks.put(wpb.FetchRequest(job_id=1, seq=0))
+    assert parse_frame(next(call))[0].seq == 0
+    asks.put(wpb.FetchRequest(job_id=2, seq=0, job_key=FORGED))  # another job's batches, without its key
+    with pytest.raises(grpc.RpcError) as e:
+        next(call)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "Fetch names job 2 without its key" in e.value.details()
+    assert scheduler.requests == [(0, 0, 0, 1)]  # the forged one never reached the scheduler
+    inspect = channel.unary_unary("/dpex.v1.Worker/Inspect", request_serializer=wpb.InspectRequest.SerializeToString,
+                                  response_deserializer=wpb.InspectResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+        inspect(wpb.InspectRequest(job_id=4, job_key=FORGED), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    asks.put(None)
