@@ -2,6 +2,9 @@
 programs through torch's DataLoader and DpexDataLoader side by side, on a
 test cluster of two workers; prints the programs and steps run, and the
 first difference from torch with its shrunk program (exit 1) if one is found.
+A failure that hypothesis cannot replay (--random runs only: a timeout on a
+machine the runs beside it load, say) is printed with the cluster's logs,
+named in the tally, and the run goes on with new programs.
 
     .venv/bin/python benchmarks/differential.py [--programs 10000] [--steps 8] [--random] [--jobs 1]
 
@@ -24,12 +27,14 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpex.testing import test_cluster  # noqa: E402
 from dpex.testing.differential import Programs, run  # noqa: E402
+from hypothesis.errors import Flaky  # noqa: E402
 
 TALLY = re.compile(r"^programs (\d+), steps (\d+), ")
 
 
 def one(programs: int, steps: int, random: bool) -> int:
     start, failed, done = time.monotonic(), None, threading.Event()
+    unreproduced: list[str] = []  # failures hypothesis could not replay: kept and named, not a difference
 
     def progress() -> None:
         while not done.wait(60):
@@ -38,21 +43,29 @@ def one(programs: int, steps: int, random: bool) -> int:
     threading.Thread(target=progress, daemon=True).start()
     # Timeouts for a loaded machine (--jobs runs side by side): no live daemon or trainer is taken for gone.
     with test_cluster(num_workers=2, processes=1, heartbeat_timeout_s=10.0, consumer_timeout_s=60.0) as cluster:
-        try:
-            run(cluster.address, programs, steps, derandomize=not random)
-        except Exception as e:  # noqa: BLE001 - the counterexample, printed
-            failed = e
-            kept = tempfile.mkdtemp(prefix=f"dpex-differential-{os.getpid()}-")
-            for daemon in (cluster.dispatcher, *cluster.workers):  # what the daemons saw, kept
-                shutil.copy(daemon.log_path, kept)
-            print(f"the cluster's logs: {kept}", flush=True)
+        while Programs.programs < programs and failed is None:
+            try:
+                run(cluster.address, programs - Programs.programs, steps, derandomize=not random)
+            except Exception as e:  # noqa: BLE001 - the counterexample, printed
+                kept = tempfile.mkdtemp(prefix=f"dpex-differential-{os.getpid()}-")
+                for daemon in (cluster.dispatcher, *cluster.workers):  # what the daemons saw, kept
+                    shutil.copy(daemon.log_path, kept)
+                print(f"the cluster's logs: {kept}", flush=True)
+                # The whole of it: a flaky replay holds the first failure among its sub-exceptions.
+                print("".join(traceback.format_exception(e))[-20000:], flush=True)
+                if isinstance(e, Flaky) and random:
+                    # It did not happen again on replay (a timeout on a machine loaded by the runs beside it,
+                    # say): named in the tally and looked at by hand, and the run goes on with new programs.
+                    unreproduced.append(f"{type(e).__name__} ({kept})")
+                    print(f"not reproduced on replay; going on ({len(unreproduced)} so far)", flush=True)
+                    continue
+                failed = e
     done.set()
-    if failed is not None:  # the whole of it: a flaky replay holds the first difference among its sub-exceptions
-        print("".join(traceback.format_exception(failed))[-20000:], flush=True)
     elapsed = time.monotonic() - start
     print(f"programs {Programs.programs}, steps {Programs.steps}, {elapsed:.0f} s "
           f"({elapsed / max(1, Programs.programs):.2f} s a program): "
-          f"{'a difference from torch: ' + str(failed) if failed else 'every output and generator state as torch'}",
+          f"{'a difference from torch: ' + str(failed) if failed else 'every output and generator state as torch'}"
+          f"{f'; {len(unreproduced)} failures not reproduced on replay: ' + ', '.join(unreproduced) if unreproduced else ''}",
           flush=True)
     return 1 if failed else 0
 
