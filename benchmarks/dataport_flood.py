@@ -62,7 +62,7 @@ def main() -> None:
     with dpex.LocalCluster(num_workers=1, processes=1) as cluster:
         with dpex.RemoteDataLoader(cluster.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
             epoch(dl)  # warm up
-            port = next(iter(dl._res.streams._streams.values()))._sock.getpeername()[1]
+            port = next(iter(dl._session.streams._streams.values()))._sock.getpeername()[1]
             for _ in range(args.rounds):
                 alone.append(epoch(dl))
                 stop = threading.Event()
@@ -81,7 +81,7 @@ def main() -> None:
                     held.append(s)
                 except OSError:
                     pass
-            dl._res.streams.close()  # the next epoch pairs a new data socket, strangers still connected
+            dl._session.streams.close()  # the next epoch pairs a new data socket, strangers still connected
             start = time.perf_counter()
             it = iter(dl)
             next(it)

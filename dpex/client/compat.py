@@ -157,7 +157,7 @@ class DpexDataLoader(DataLoader[_T_co]):
             self._remote = RemoteDataLoader(address, dataset, batch_size=batch_size, shuffle=bool(shuffle),
                                             sampler=sampler, batch_sampler=batch_sampler, **common)
             remote = self._remote
-            plans = remote._plans
+            plans = remote._epochs.plans
             super().__init__(_Stream(plans.length) if plans.iterable else Indices(plans.length), **torch_args)
             object.__setattr__(self, "dataset", dataset)  # past torch's guard: the spec is the dataset
             self._keep_dpex_args()

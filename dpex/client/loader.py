@@ -7,33 +7,26 @@ DataLoader over indices), so the same seed gives the same batches.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import secrets
-import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch.utils.data as tud
 
 from dpex.client import checkpoint, inspect, job as jobs
-from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.distributed import current_run
-from dpex.client.fetcher import EpochFetcher
-from dpex.client.lanes import Lane, Lanes
+from dpex.client.epoch import Epochs
 from dpex.client.options import LoaderOptions
-from dpex.client.pinning import PinnedEpoch, PinnedFrames, pin_target
-from dpex.client.paced import PacedEpoch
-from dpex.client.sampling import EpochDraw, EpochPlans, check_iterable_args, check_sampling
+from dpex.client.pinning import PinnedFrames, pin_target
+from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling
+from dpex.client.session import Session
 from dpex.client.stats import LoaderStats, StatsMeter
-from dpex.client.streams import StreamPool
 from dpex.auth import load_ca, load_token
 from dpex.dataset import DatasetSpec
-from dpex.launch.head import announce, resolve
-from dpex.errors import JOB_COLLECTED, DpexConfigError, DpexNotFoundError
+from dpex.launch.head import resolve
+from dpex.errors import DpexConfigError
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.proto import dispatcher_pb2_grpc as dgrpc
-from dpex.rpc import Outage, call, channel, check_usable
+from dpex.rpc import check_usable
 
 log = logging.getLogger("dpex.client")
 
@@ -47,43 +40,6 @@ def _start_method(context: Any) -> str | None:
 
 def _rebuild(cls: type, args: dict[str, Any]) -> Any:
     return cls(**args)
-
-
-class _Resources:
-    """What a loader owns; closed once, by close() or when the loader is collected."""
-
-    def __init__(self, token: str | None, tls_ca: bytes | None, shared_memory: bool) -> None:
-        self.cluster: Any = None
-        self.channel: Any = None
-        self.stub: Any = None
-        self._pool_args = (token, tls_ca, shared_memory)
-        self.read_frame: Callable[..., Any] | None = None  # pinning's, for frames from other hosts
-        self.lanes = Lanes(Lane(0, b"", self.new_streams()))
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def streams(self) -> StreamPool:
-        """Lane 0's streams, which a loader's epochs use when one is read at a time."""
-        return self.lanes.first.streams
-
-    def new_streams(self) -> StreamPool:
-        """Streams to the workers for one lane (dpex.client.lanes)."""
-        streams = StreamPool(*self._pool_args)
-        if self.read_frame is not None:
-            streams.read_frame = self.read_frame
-        return streams
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.lanes.close()
-        if self.channel is not None:
-            self.channel.close()
-        if self.cluster is not None:
-            self.cluster.close()
 
 
 _O = LoaderOptions  # its fields' defaults are the loader's
@@ -208,151 +164,79 @@ class RemoteDataLoader:
         spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(jobs.Constant(dataset))
         self.num_consumers, self.consumer_index = opts.num_consumers, opts.consumer_index
         self.ordered, self.timeout = opts.ordered, opts.timeout_s
-        self._connect_timeout = opts.first_contact_s
-        self._outage = Outage()  # the dispatcher's: every call to it gives up on one deadline
-        self._epoch_counter = 0  # one plan per iter(): torch reshuffles at every iter() too
         self._meter = StatsMeter()
-        self._tls_ca = ca = load_ca(opts.tls_ca)
+        ca = load_ca(opts.tls_ca)
         self._code = (spec, collate_fn, worker_init_fn)
         self._code_kept = False  # persistent_workers: the first iter()'s code was shipped, and stays
         unbatched = batch_size is None and batch_sampler is None
         job = jobs.job_def(opts, self._code, bundled=self._instance is not None, unbatched=unbatched)
         derived_name = jobs.name_shared(job, run)
         self.job_name = job.name or None
-        address, self._token, self._embedded_why = resolve(opts.address, load_token(token=opts.auth_token), ca,
-                                                           given_token=opts.auth_token)
-        self._res = _Resources(self._token, ca, opts.shared_memory)
-        self._finalizer = weakref.finalize(self, self._res.close)
-        self._address, self._target, self.job_id = address, f"dispatcher {address}", None
-        self._job_key = b""  # the job's key (dpex.keys), with its id
-        self._client_id = secrets.randbits(63) + 1  # this loader's: it holds its consumer of the job
+        address, token, embedded_why = resolve(opts.address, load_token(token=opts.auth_token), ca,
+                                               given_token=opts.auth_token)
+        self._session = session = Session(address, embedded_why, token, ca, opts.shared_memory, opts.consumer_index,
+                                      opts.first_contact_s, opts.timeout_s)
+        self._finalizer = weakref.finalize(self, session.close)
         try:
             if address is None:  # started in the background, shared with this process's other loaders
                 from dpex.launch.local import START_TIMEOUT_S, embedded
-                self._res.cluster = embedded(opts.processes or os.cpu_count() or 1, self._token, opts.start_method)
-                self._target = "the embedded dispatcher"
+                session.cluster = embedded(opts.processes or os.cpu_count() or 1, token, opts.start_method)
+                session.target = "the embedded dispatcher"
                 # Ours, and serving once it said so: no wrong address to fail fast on, and its owner reports
                 # a daemon's death. On a loaded machine its first answers (and worker) may take a while.
-                self._connect_timeout = max(self._connect_timeout, START_TIMEOUT_S)
-            self._job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
+                session.first_contact_s = max(session.first_contact_s, START_TIMEOUT_S)
+            session.job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
             if not (self.embedded and self._instance is not None):  # else at the first iter()
-                self._connect()
-            self._dataset = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
-                self._alive_workers, self.job_id, self._job_key, self._token, ca, self._connect_timeout, self._target, self.timeout))
-            self._plans = EpochPlans(
-                self._dataset.length, self._dataset.iterable, batch_size=batch_size, drop_last=drop_last,
+                session.connect()
+            dataset_seen = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
+                session.alive_workers, session.job_id, session.job_key, token, ca, session.first_contact_s,
+                session.target, self.timeout))
+            plans = EpochPlans(
+                dataset_seen.length, dataset_seen.iterable, batch_size=batch_size, drop_last=drop_last,
                 shuffle=shuffle, seed=seed, sampler=sampler, batch_sampler=batch_sampler, generator=generator,
                 distributed=(opts.num_consumers > 1 or run is not None) and opts.shard,
                 num_consumers=opts.num_consumers, consumer_index=opts.consumer_index,
                 num_streams=max(1, opts.num_workers), compact=opts.compact_plans, unbatched=unbatched,
                 reproducible=opts.reproducible, persistent=opts.persistent_workers and opts.num_workers > 0)
-            self._current: EpochState | None = None  # the epoch in progress, for state_dict()
-            self._replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
-            self._resume: EpochState | None = None   # from load_state_dict(), for the next iter()
-            self._window = opts.window or 4 * (1 if self.embedded else max(1, len(self._alive_workers())))
-            self._pin = pin_target(opts.pin_memory_device) if opts.pin_memory else None
-            if self._pin is not None:  # frames from other hosts arrive pinned
-                self._res.read_frame = self._res.streams.read_frame = PinnedFrames(self._pin)
+            pin = pin_target(opts.pin_memory_device) if opts.pin_memory else None
+            if pin is not None:  # frames from other hosts arrive pinned
+                session.read_frame = session.streams.read_frame = PinnedFrames(pin)
+            window = opts.window or 4 * (1 if self.embedded else max(1, len(session.alive_workers())))
+            self._epochs = Epochs(session, plans, dataset_seen, opts, window, pin, self._meter)
         except BaseException:
             self.close()
             raise
 
     # ---- public API ---------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._plans)
+        return len(self._epochs.plans)
 
     @property
     def address(self) -> str:
         """The dispatcher's HOST:PORT (an embedded cluster's: once it serves)."""
-        return self._address if self._address is not None else self._res.cluster.address
+        return self._session.address
 
     @property
     def embedded(self) -> bool:
         """Its workers are this process's embedded cluster's, on this machine."""
-        return self._res.cluster is not None
+        return self._session.embedded
+
+    @property
+    def job_id(self) -> int | None:
+        """The job's id at the dispatcher (as `dpex status` shows it); None until it is made."""
+        return self._session.job_id
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
-        self._plans.set_epoch(epoch)
+        self._epochs.plans.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._finalizer.alive is False:
             raise DpexConfigError("this RemoteDataLoader is closed")
-        resume, self._resume = self._resume, None
         if self._instance is not None:
             self._ship_dataset()
-        self._connect()
-        epoch = self._epoch_counter
-        self._epoch_counter += 1
-        if resume is not None:  # the epoch of a checkpoint: as it was planned, nothing drawn again
-            draw = self._plans.resumed(resume.base_seed, resume.sampler, resume.drawn, resume.end)
-            asked = resume.progress.count
-        else:
-            draw, asked = self._plans.begin(epoch), 0
-        # Planned and started when torch's iterator first asks its sampler (see dpex.client.paced).
-        prefetch = self._opts.prefetch_factor * self._opts.num_workers if not self._plans.iterable else 1
-        length = len(self) if not self._plans.iterable or self._plans.length >= 0 else 0
-        return PacedEpoch(lambda: self._start(epoch, draw, resume), draw, length, prefetch, asked)
-
-    def _start(self, epoch: int, draw: EpochDraw, resume: EpochState | None) -> Iterator[Any]:
-        """Submits epoch ``epoch``'s plan (``draw``'s, or ``resume``'s) and returns its fetcher."""
-        # An epoch of its own, as torch's iter(): one still being read goes on, on its lane.
-        lane = self._res.lanes.pick(self._open_lane, first_only=resume is not None)
-        if lane.busy:
-            lane.close_epoch(f"this epoch of job {lane.job_id} was left: the loader resumed from a state dict "
-                             "(load_state_dict) in a new iter(), which takes its place")
-        if resume is not None:
-            base_seed, sampler, streams = resume.base_seed, resume.sampler, resume.num_streams
-            plan = resume.batches or []
-        else:
-            base_seed, sampler, plan, streams = draw.plan()
-        submit = dpb.SubmitPlanRequest(job_id=lane.job_id, job_key=lane.job_key,
-                                       consumer_index=self.consumer_index, epoch=epoch,
-                                       base_seed=base_seed, num_streams=streams, client_id=self._client_id)
-        if sampler is not None:
-            submit.sampler.CopyFrom(sampler)
-        if resume is not None:
-            progress = resume.progress
-            submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
-            submit.resume_id = secrets.randbits(63) + 1
-        else:  # a job that keeps its dataset: each stream goes on with the one the last epoch's stream left
-            self._replicas = self._next_replicas()
-            progress = Progress(num_streams=streams, starts=self._replicas if streams else {})
-        for k in sorted(set(progress.stream_states) | set(progress.starts)):
-            j, state = progress.stream_states.get(k, (0, b""))
-            submit.stream_starts.append(dpb.StreamStart(stream=k, next=j, state=state,
-                                                        replica=progress.starts.get(k, b"")))
-        try:
-            num_batches = jobs.submit(self._call, self._res.stub, submit, plan)
-        except DpexNotFoundError as e:
-            if JOB_COLLECTED not in str(e):
-                raise
-            log.warning("%s; making it again", e)  # the definition is ours: nothing is lost
-            if lane is self._res.lanes.first:
-                self._create_job()
-            else:
-                lane.job_id, lane.job_key = jobs.make(self._call, self._res.stub, self._job_request, named=False)
-            submit.job_id, submit.job_key = lane.job_id, lane.job_key
-            num_batches = jobs.submit(self._call, self._res.stub, submit, plan)
-        stub = self._res.stub
-        leave = jobs.releaser(stub, self._target, dpb.ReleaseConsumerRequest(
-            job_id=lane.job_id, job_key=lane.job_key, consumer_index=self.consumer_index, epoch=epoch,
-            client_id=self._client_id))
-        fetcher = EpochFetcher(
-            stub=stub, target=self._target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,
-            consumer_index=self.consumer_index, epoch=epoch, num_batches=num_batches, client_id=self._client_id,
-            window=self._window, ordered=self.ordered, timeout_s=self.timeout,
-            retry_for_s=self._outage_allowance_s(), outage=self._outage, dataset=self._dataset,
-            num_streams=streams, meter=self._meter, leave=leave, progress=progress,
-            report=lambda address, error: jobs.send_and_forget(
-                stub.ReportWorker, dpb.ReportWorkerRequest(address=address, error=error)),
-            health=self._res.cluster.failure if self.embedded else None,
-            no_worker_s=self._connect_timeout if self.timeout is None else None)
-        self._current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
-                                   progress, streams, resume.reshard if resume is not None else None, draw=draw)
-        iterator = fetcher if self._pin is None else PinnedEpoch(fetcher, self._pin, self._window, self._meter)
-        lane.start(iterator)
-        return iterator
+        self._session.connect()
+        return self._epochs.begin()
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, to save with a checkpoint (plain JSON-safe
@@ -361,22 +245,11 @@ class RemoteDataLoader:
         yields the rest of the epoch, then the next epochs, as this one would
         (torch's global RNG, which a shuffle without ``generator``/``seed``
         draws from at each ``iter()``, is the caller's to save and restore)."""
-        current = self._resume or self._current
-        sd: dict[str, Any] = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                              "job_name": self.job_name, "named_job": bool(self._opts.job_name),
-                              "dataset_length": self._plans.length, "batch_size": self._opts.batch_size,
-                              "drop_last": self._opts.drop_last, "num_consumers": self.num_consumers,
-                              "consumer_index": self.consumer_index, "epochs_started": self._epoch_counter,
-                              "epoch": current.to_dict() if current is not None and not current.progress.ended
-                              else None, "generator": None, "samplers": {},
-                              "first_seed": list(self._plans.first_seed) if self._plans.first_seed else None,
-                              "replicas": [[k, checkpoint.blob(r)] for k, r in sorted(self._next_replicas().items())]}
-        if self._plans.generator is not None:
-            sd["generator"] = checkpoint.pack_generator(self._plans.generator)
-        for name, s in self._plans.samplers():
-            if callable(getattr(s, "state_dict", None)):
-                sd["samplers"][name] = s.state_dict()
-        return sd
+        return {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+                "job_name": self.job_name, "named_job": bool(self._opts.job_name),
+                "dataset_length": self._epochs.plans.length, "batch_size": self._opts.batch_size,
+                "drop_last": self._opts.drop_last, "num_consumers": self.num_consumers,
+                "consumer_index": self.consumer_index, **self._epochs.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continues from :meth:`state_dict` of a loader built with the same
@@ -391,26 +264,9 @@ class RemoteDataLoader:
         if isinstance(state_dict, tuple):
             state_dict = list(state_dict)
         for sd in state_dict if isinstance(state_dict, list) else [state_dict]:
-            checkpoint.check(sd, self._plans.length, self._opts.batch_size)
-        state_dict, self._resume = checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
-                                                     self.job_name if self._opts.job_name else None)
-        self._epoch_counter = state_dict["epochs_started"]
-        first = state_dict.get("first_seed")  # persistent workers: seeded at the first iter() only
-        self._plans.first_seed = (first[0], first[1]) if first else None
-        self._current = None
-        self._replicas = {k: checkpoint.unblob(r) for k, r in checkpoint.pairs(state_dict.get("replicas", []))}
-        if self._resume is not None:
-            self._epoch_counter = self._resume.epoch
-        if state_dict["generator"] is not None and self._plans.generator is not None:
-            checkpoint.restore_generator(self._plans.generator, state_dict["generator"])
-        for name, s in self._plans.samplers():
-            if name in state_dict["samplers"] and callable(getattr(s, "load_state_dict", None)):
-                s.load_state_dict(state_dict["samplers"][name])
-
-    def _next_replicas(self) -> dict[int, bytes]:
-        """The datasets the next epoch's streams start from (a job that keeps its dataset; else none)."""
-        current = self._resume or self._current
-        return current.progress.next_starts() if current is not None and current.num_streams else self._replicas
+            checkpoint.check(sd, self._epochs.plans.length, self._opts.batch_size)
+        self._epochs.load(*checkpoint.select(state_dict, self.num_consumers, self.consumer_index,
+                                             self.job_name if self._opts.job_name else None))
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Batches/s, bytes received, seconds the trainer waited for data and
@@ -435,19 +291,6 @@ class RemoteDataLoader:
         self.close()
 
     # ---- internals --------------------------------------------------------------------
-    def _call(self, method: Any, request: Any) -> Any:
-        return call(method, request, target=self._target, timeout_s=60,
-                    retry_for_s=self._outage_allowance_s(), outage=self._outage)
-
-    def _outage_allowance_s(self) -> float:
-        """How long calls to the dispatcher ride out its outage: ``connect_timeout``
-        (or ``timeout``, if shorter) until it was first reached (a wrong address fails fast), then as long as
-        the loader's ``timeout`` allows (None: for ever), so that a dispatcher
-        restarted from its journal finds its trainers still there."""
-        if self.job_id is None:
-            return self._connect_timeout
-        return math.inf if self.timeout is None else max(self.timeout, self._connect_timeout)
-
     def _ship_dataset(self) -> None:
         """As torch hands the dataset to its workers at ``iter()``: a dataset
         instance (or worker_init_fn, collate_fn) changed since the job was
@@ -455,7 +298,7 @@ class RemoteDataLoader:
         nothing is sent. A named or DDP-shared job keeps its definition, and
         with ``persistent_workers`` the first ``iter()``'s stays, as torch's
         persistent workers keep the dataset they were given."""
-        job = self._job_request.job
+        job = self._session.job_request.job
         if job.name or self._code_kept:
             return
         self._code_kept = job.persistent_workers
@@ -465,44 +308,7 @@ class RemoteDataLoader:
         for name, value in fields.items():
             setattr(job, name, value)
         job.content = jobs.content(self._code)
-        self._dataset = inspect.in_trainer(self._instance)
-        self._plans.resize(self._dataset.length)
-        if self.job_id is None:  # not made yet: _connect() makes it of this definition
-            return
-        # The old definition's jobs are released once their epochs end (now, if none runs).
-        self._res.lanes.renew(Lane(0, b"", self._res.new_streams()))
-        self._create_job()
-
-    def _connect(self) -> None:
-        """Reaches the dispatcher and makes the job, once: at construction, or
-        (a dataset instance on the embedded cluster, which starts in the
-        background) at the first ``iter()``."""
-        if self._res.stub is not None:
-            return
-        self._address = self.address
-        if self._embedded_why:  # named once it serves: a loader built and dropped unused says nothing
-            announce("loading on an embedded local cluster (%s): dispatcher %s", self._embedded_why, self._address)
-        self._target = f"dispatcher {self._address}"
-        self._res.channel = channel(self._address, self._token, self._tls_ca)
-        self._res.stub = dgrpc.DispatcherStub(self._res.channel)
-        self._create_job()
-
-    def _create_job(self) -> None:
-        """Gets or creates the job of lane 0 (again, if the dispatcher collected it)."""
-        first = self._res.lanes.first
-        self.job_id, self._job_key = first.job_id, first.job_key = jobs.make(
-            self._call, self._res.stub, self._job_request, named=True)
-        first.release = self._releaser(first.job_id, first.job_key)
-
-    def _open_lane(self) -> Lane:
-        job_id, job_key = jobs.make(self._call, self._res.stub, self._job_request, named=False)
-        return Lane(job_id, job_key, self._res.new_streams(), self._releaser(job_id, job_key))
-
-    def _releaser(self, job_id: int, job_key: bytes) -> Callable[[], None]:
-        """Releases this loader's consumer of ``job_id`` (at close, or once a lane is no longer needed)."""
-        return jobs.releaser(self._res.stub, self._target, dpb.ReleaseConsumerRequest(
-            job_id=job_id, job_key=job_key, consumer_index=self.consumer_index, client_id=self._client_id))
-
-    def _alive_workers(self) -> list[str]:
-        status = self._call(self._res.stub.GetStatus, dpb.GetStatusRequest())
-        return [w.address for w in status.workers if w.state == "alive"]
+        self._epochs.dataset = inspect.in_trainer(self._instance)
+        self._epochs.plans.resize(self._epochs.dataset.length)
+        if self.job_id is not None:  # else not made yet: connect() makes it of this definition
+            self._session.renew_job()

@@ -184,7 +184,7 @@ def test_a_loader_that_joined_a_job_cannot_take_another_loaders_consumer_with_cl
         it = iter(dl)
         got = next(it)["y"].tolist()
         stub = dgrpc.DispatcherStub(channel(cluster.address))
-        key = dl._job_key  # as any loader of that name and settings gets it from GetOrCreateJob
+        key = dl._session.job_key  # as any loader of that name and settings gets it from GetOrCreateJob
         with pytest.raises(grpc.RpcError) as refused:
             stub.SyncConsumer(dpb.SyncConsumerRequest(job_id=dl.job_id, job_key=key, consumer_index=0, epoch=0,
                                                       delivered_seqs=list(range(20)), client_id=0), timeout=10)

@@ -16,7 +16,7 @@ SIZES = (1, 3)
 
 
 def sockets(loader) -> list:
-    return [s._sock for s in loader._res.streams._streams.values()]
+    return [s._sock for s in loader._session.streams._streams.values()]
 
 
 def epoch(loader, cut_at=None) -> list[int]:
@@ -49,7 +49,7 @@ def test_garbage_and_silence_on_the_data_port_harm_no_one():
                 with socket.create_connection(("127.0.0.1", port)) as s:
                     s.sendall(payload)
             assert epoch(dl) == list(range(24))
-            dl._res.streams.close()  # a new stream, a new socket, with the strangers still there
+            dl._session.streams.close()  # a new stream, a new socket, with the strangers still there
             assert epoch(dl) == list(range(24))
             silent.close()
 
@@ -85,7 +85,7 @@ def test_frames_read_into_tensors_arrive_as_views_of_them_and_a_broken_socket_lo
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64, dim=4096)  # frames of 128 KB: on the socket
     theirs = list(DataLoader(Squares(64, 4096), batch_size=8))
     with dpex.RemoteDataLoader(cluster.address, spec, batch_size=8, shared_memory=False, timeout=60) as dl:
-        dl._res.streams.read_frame = PinnedFrames(None)
+        dl._session.streams.read_frame = PinnedFrames(None)
         for cut in (None, 2):
             ours = []
             for i, batch in enumerate(dl):
@@ -107,7 +107,7 @@ def test_a_frame_that_cannot_be_received_is_a_failed_stream_asked_again(cluster,
     that stream and its batches are asked for again; it never stops the
     thread silently, leaving the epoch waiting for batches that never come."""
     with dpex.RemoteDataLoader(cluster.address, SPEC, batch_size=1, shared_memory=False, timeout=60) as dl:
-        pool, calls = dl._res.streams, []
+        pool, calls = dl._session.streams, []
         read = pool.read_frame
 
         def short_of_memory(sock, nbytes):
@@ -157,6 +157,6 @@ def test_a_flood_of_strangers_is_turned_away_at_once_and_the_loader_goes_on():
             assert epoch(dl) == list(range(24))  # the paired stream goes on, exactly once
             for s in silent:
                 s.close()
-            dl._res.streams.close()  # a new stream pairs a new socket
+            dl._session.streams.close()  # a new stream pairs a new socket
             assert epoch(dl) == list(range(24))
             assert all(s is not None for s in sockets(dl))

@@ -79,7 +79,7 @@ def test_a_live_holder_still_refuses_a_newcomer_after_the_claim_time(cluster):
 
 
 def _embedded_worker(loader):
-    return loader._remote._res.cluster._shared._cluster.workers[0].process
+    return loader._remote._session.cluster._shared._cluster.workers[0].process
 
 
 @pytest.mark.timeout(120)

@@ -64,7 +64,7 @@ def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_back
     monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 60.0)
     before = set(descendants(os.getpid()))
     train = dpex.DpexDataLoader(list(range(10)), distribute_mode=True, batch_size=4, num_workers=1)
-    assert train._remote._res.stub is None  # constructed without waiting for the daemons: none contacted yet
+    assert train._remote._session.stub is None  # constructed without waiting for the daemons: none contacted yet
     assert [b.tolist() for b in train] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     started = [p for p in descendants(os.getpid()) if p not in before]
     val = dpex.DpexDataLoader(list(range(20, 23)), distribute_mode=True, batch_size=2, num_workers=1)
