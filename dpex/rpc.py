@@ -129,18 +129,22 @@ def add_servicer(server: grpc.Server | grpc.aio.Server, servicer: Any, service: 
     for method in service.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
-
-        def parse(data: bytes, request_class: type = request_class) -> Any:
-            try:
-                return request_class.FromString(data)
-            except Exception as e:  # DecodeError, or a field that is not valid UTF-8
-                return Malformed(request_class.DESCRIPTOR.full_name, e)
-
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=parse,
+            getattr(servicer, method.name), request_deserializer=parser(request_class),
             response_serializer=response_class.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def parser(request_class: type) -> Callable[[bytes], Any]:
+    """A request deserializer that turns what does not parse into :class:`Malformed`
+    (answered INVALID_ARGUMENT by :func:`servicer_method`), not an exception (UNKNOWN)."""
+    def parse(data: bytes) -> Any:
+        try:
+            return request_class.FromString(data)
+        except Exception as e:  # DecodeError, or a field that is not valid UTF-8
+            return Malformed(request_class.DESCRIPTOR.full_name, e)
+    return parse
 
 
 def _failure(fn: Callable, e: Exception) -> tuple[grpc.StatusCode, str]:

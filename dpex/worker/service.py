@@ -14,7 +14,7 @@ from typing import Callable
 import grpc
 
 from dpex.proto import worker_pb2 as wpb
-from dpex.rpc import servicer_method
+from dpex.rpc import Malformed, parser, servicer_method
 from dpex.errors import DpexAuthError
 from dpex.keys import Refusals
 from dpex.wire import build_frame, parse_frame
@@ -159,9 +159,9 @@ class WorkerService:
         # processes: no response_serializer, the bytes go out as they are.
         return grpc.method_handlers_generic_handler(_SERVICE, {
             "Fetch": grpc.stream_stream_rpc_method_handler(
-                self.Fetch, request_deserializer=wpb.FetchRequest.FromString),
+                self.Fetch, request_deserializer=parser(wpb.FetchRequest)),
             "Inspect": grpc.unary_unary_rpc_method_handler(
-                servicer_method(self.Inspect), request_deserializer=wpb.InspectRequest.FromString),
+                servicer_method(self.Inspect), request_deserializer=parser(wpb.InspectRequest)),
         })
 
     def Inspect(self, request, context):
@@ -200,6 +200,9 @@ class WorkerService:
             keyed: set[tuple[int, bytes]] = set()  # (job, key) pairs checked already
             try:
                 async for r in request_iterator:
+                    if isinstance(r, Malformed):
+                        out.put_nowait(_Refused(grpc.StatusCode.INVALID_ARGUMENT, str(r.error)))
+                        return
                     if (r.job_id, r.job_key) not in keyed:
                         refused = self._refusal(r, context.peer())
                         if refused is not None:
