@@ -16,6 +16,7 @@ from dpex.client.sampling import Indices
 from dpex.dataset import DatasetSpec
 from dpex.client.stats import LoaderStats
 from dpex.errors import DpexTimeoutError, warn
+from dpex.torch_private import iterable_len_asked
 
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -29,7 +30,7 @@ class _Epoch:
     def __init__(self, loader: "DpexDataLoader", epoch: Iterator[Any]) -> None:
         self._loader = loader  # as torch's iterator: the loader lives while its epoch does
         self._epoch = epoch
-        self._reported = loader._IterableDataset_len_called  # len(loader) of an IterableDataset, if asked
+        self._reported = iterable_len_asked(loader)  # len(loader) of an IterableDataset, if asked
         self._yielded = 0
 
     def __iter__(self) -> "_Epoch":

@@ -103,7 +103,7 @@ class _Pinner:
 
     def _run(self) -> None:
         import torch
-        from torch.utils.data._utils.pin_memory import pin_memory
+        from dpex.torch_private import pin_memory
         torch.set_num_threads(1)  # thread-local: the copy must not take every core
         torch.accelerator.set_device_index(self._target.device_index)
         end = _End(None)

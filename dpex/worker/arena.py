@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+from dpex.torch_private import collate_machinery
+
+collate, collate_tensor_fn, default_collate_fn_map = collate_machinery()
 
 _ALIGN = 64
 

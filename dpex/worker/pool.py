@@ -41,7 +41,7 @@ class BatchPool:
 
     def __init__(self, processes: int, worker_address: str = "", *, shared_memory: bool = True,
                  handoff_min_bytes: int = shm.MIN_BYTES, fork: bool = False, in_turn: bool = False,
-                 sample_budgets: tuple[int, int] = runtime._sample_budgets) -> None:
+                 sample_budgets: tuple[int, int] = runtime.SAMPLE_BUDGETS) -> None:
         """With ``shared_memory``, frames of ``handoff_min_bytes`` or more come
         back as /dev/shm files (dpex.shm), else through the pipe.
         ``fork``: fork the first processes (only in a process with no other

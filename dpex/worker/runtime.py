@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Sequence
 
 from dpex.dataset import describe_dataset
-from dpex import seeding
+from dpex import seeding, torch_private
 from dpex.procutil import die_with_parent, map_big_buffers
 from dpex import shm
 from dpex.shm import Handoff
@@ -30,18 +30,6 @@ class Task(NamedTuple):
     base_seed: int = 0
     whole: bool = False  # an unbatched job's element that was a list: dataset[indices]
     places: Sequence[int] = ()  # each sample's place in the epoch (one for a whole element): its draws' key
-
-
-_worker_address: Any = ""  # str, or the pool's shared slot: a forked pool starts before the daemon has a port
-_child_index, _num_children = 0, 1
-_handoff_dir: str | None = None
-_handoff_min_bytes = shm.MIN_BYTES
-_produced = 0
-_arena: Any = None  # this process's collate arena (dpex.worker.arena), made at the first batch
-_slabs: Any = None  # this process's hand-off files, written in place (dpex.worker.slabs)
-_slots: Any = None  # shared with the daemon: [pid, sample being read] per child, what a death reports
-_sample_budgets = (1 << 30, 8 << 30)  # the sample cache's memory and disk tiers, in bytes
-_samples: Any = None  # this process's view of the worker's sample cache, made at the first cached job's sample
 
 
 class _Job(NamedTuple):
@@ -68,73 +56,241 @@ class _Context(NamedTuple):
     users: frozenset = frozenset()  # the generators worker_init_fn seeded: the user's, never keyed
 
 
-_jobs: OrderedDict[int, _Job] = OrderedDict()
-_contexts: OrderedDict[tuple, _Context] = OrderedDict()
-_current: tuple | None = None
+SAMPLE_BUDGETS = (1 << 30, 8 << 30)  # the sample cache's memory and disk tiers, in bytes (WorkerConfig's)
 
 
-def init_child(worker_address: Any, counter: Any, num_children: int, handoff_dir: str | None,
-                handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None,
-                sample_budgets: tuple[int, int] = _sample_budgets) -> None:
-    global _child_index, _num_children, _handoff_dir, _handoff_min_bytes, _slots, _sample_budgets
-    _sample_budgets = sample_budgets
-    with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
-        _child_index = counter.value
-        counter.value += 1
-    _slots = slots
-    if slots is not None:
-        slots[2 * _child_index] = os.getpid()
-    _num_children = num_children
-    _handoff_dir, _handoff_min_bytes = handoff_dir, handoff_min_bytes
-    init_process(worker_address, daemon_pid)
+class BatchProcess:
+    """One batch process's state: which of the pool's processes it is, where
+    its hand-off files go, the jobs it built (a few cached) and, per job and
+    epoch, the worker torch would have made (seeds, WorkerInfo); its arena,
+    slabs and view of the sample cache, made when first needed. Its methods
+    run in the process (:func:`produce`, :func:`inspect`); a test may make
+    one and run them here (:func:`use`)."""
 
+    def __init__(self, worker_address: Any = "", index: int = 0, count: int = 1, handoff_dir: str | None = None,
+                 handoff_min_bytes: int = shm.MIN_BYTES, slots: Any = None,
+                 sample_budgets: tuple[int, int] = SAMPLE_BUDGETS) -> None:
+        """``worker_address``: a str, or the pool's shared slot (a forked pool
+        starts before the daemon has a port); ``index`` of ``count``: this
+        process's id among the pool's, as torch's worker ids; ``slots``:
+        shared with the daemon, [pid, sample being read] per process, what a death reports."""
+        self._worker_address = worker_address
+        self.index, self.count = index, count
+        self.handoff_dir, self.handoff_min_bytes = handoff_dir, handoff_min_bytes
+        self.slots, self.sample_budgets = slots, sample_budgets
+        self.produced = 0
+        self.arena: Any = None    # the collate arena (dpex.worker.arena), made at the first batch
+        self.slabs: Any = None    # hand-off files, written in place (dpex.worker.slabs)
+        self.samples: Any = None  # the view of the worker's sample cache, made at the first cached job's sample
+        self.jobs: OrderedDict[int, _Job] = OrderedDict()
+        self.contexts: OrderedDict[tuple, _Context] = OrderedDict()
+        self.current: tuple | None = None  # the key of the context entered last
 
-def init_process(worker_address: Any, daemon_pid: int | None = None) -> None:
-    """Set-up of every process that runs user code for a worker
-    (``worker_address``: a str, or a shared char array the daemon fills in)."""
-    global _worker_address
-    _worker_address = worker_address
-    # Even if the daemon is SIGKILLed; and at once if it died while this
-    # process was starting (children start without the daemon waiting for them).
-    die_with_parent(daemon_pid)
-    map_big_buffers()  # batches are mapped and unmapped whole: they cannot fragment the heap
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
-    import torch
-    torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
+    @property
+    def worker_address(self) -> str:
+        """The address of the worker this process makes batches for."""
+        if isinstance(self._worker_address, str):
+            return self._worker_address
+        return self._worker_address.value.decode()
 
+    def load_job(self, job_id: int, job_path: str) -> _Job:
+        jobs = self.jobs
+        if job_id in jobs:
+            jobs.move_to_end(job_id)
+            return jobs[job_id]
+        from torch.utils.data import default_collate, default_convert
 
-def worker_address() -> str:
-    """The address of the worker this process makes batches for."""
-    if isinstance(_worker_address, str):
-        return _worker_address
-    return _worker_address.value.decode()
+        from dpex.proto import dispatcher_pb2 as dpb
+        from dpex.wire import callables
+        with open(job_path, "rb") as f:
+            job = dpb.JobDef.FromString(f.read())
+        if job.bundled:  # one pickle: a bound method of the dataset binds this very copy
+            spec, collate_fn, worker_init_fn = callables.loads(job.dataset)
+        else:
+            spec = callables.loads(job.dataset)
+            collate_fn = callables.loads(job.collate) if job.collate else None
+            worker_init_fn = callables.loads(job.worker_init_fn) if job.worker_init_fn else None
+        dataset = spec.build()
+        default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
+        jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size,
+                            job.drop_last, job.compression, job.unbatched, *describe_dataset(dataset),
+                            keyed=not job.process_seeds, main_process=job.main_process,
+                            sample_cache=job.sample_cache, sample_digest=_sample_digest(job))
+        while len(jobs) > _MAX_CACHED_JOBS:
+            jobs.popitem(last=False)
+        return jobs[job_id]
 
+    def _get(self, job: _Job, task: Task, index: int) -> Any:
+        """dataset[index], from the worker's sample cache where the job keeps its samples."""
+        if not job.sample_cache:
+            return job.dataset[index]
+        if self.samples is None:
+            from dpex.worker.samples import SampleCache
+            memory = os.path.join(self.handoff_dir, "samples") if self.handoff_dir else None
+            self.samples = SampleCache(memory, os.path.join(os.path.dirname(task.job_path), "samples"),
+                                       *self.sample_budgets)
+        return self.samples.sample(job.sample_cache, job.sample_digest, index, lambda: job.dataset[index])
 
-def load_job(job_id: int, job_path: str) -> _Job:
-    if job_id in _jobs:
-        _jobs.move_to_end(job_id)
-        return _jobs[job_id]
-    from torch.utils.data import default_collate, default_convert
+    def _enter(self, job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
+        """Makes this process the job's worker ``index`` for ``epoch``, as
+        torch's DataLoader does for its workers: seeds ``base_seed + id`` (numpy
+        through torch's seed sequence), WorkerInfo, then ``worker_init_fn(id)``.
+        A process serving several jobs keeps each one's RNG streams apart."""
+        contexts = self.contexts
+        key = (job_id,) if job.persistent else (job_id, epoch)
+        if key == self.current:
+            return
+        if self.current in contexts:
+            contexts[self.current].rng[:] = seeding.global_states()
+        context = contexts.get(key)
+        self.current = key
+        if context is not None:
+            contexts.move_to_end(key)
+            seeding.restore_global_states(context.rng)
+            torch_private.set_worker_info(context.info)
+            return
+        contexts[key] = _Context(become_worker(job, base_seed, self.index, self.count), [])
+        while len(contexts) > 4 * _MAX_CACHED_JOBS:
+            contexts.popitem(last=False)
+        if job.worker_init_fn is not None and not job.main_process:
+            marks = seeding.seed_marks()
+            job.worker_init_fn(self.index)
+            contexts[key] = contexts[key]._replace(users=seeding.seeded_since(marks))
 
-    from dpex.proto import dispatcher_pb2 as dpb
-    from dpex.wire import callables
-    with open(job_path, "rb") as f:
-        job = dpb.JobDef.FromString(f.read())
-    if job.bundled:  # one pickle: a bound method of the dataset binds this very copy
-        spec, collate_fn, worker_init_fn = callables.loads(job.dataset)
-    else:
-        spec = callables.loads(job.dataset)
-        collate_fn = callables.loads(job.collate) if job.collate else None
-        worker_init_fn = callables.loads(job.worker_init_fn) if job.worker_init_fn else None
-    dataset = spec.build()
-    default = default_convert if job.unbatched else default_collate  # as torch's DataLoader
-    _jobs[job_id] = _Job(dataset, collate_fn or default, worker_init_fn, job.persistent_workers, job.batch_size,
-                         job.drop_last, job.compression, job.unbatched, *describe_dataset(dataset),
-                         keyed=not job.process_seeds, main_process=job.main_process,
-                         sample_cache=job.sample_cache, sample_digest=_sample_digest(job))
-    while len(_jobs) > _MAX_CACHED_JOBS:
-        _jobs.popitem(last=False)
-    return _jobs[job_id]
+    def collate(self, job: _Job, samples: list, slab: Any = None) -> Any:
+        """The job's collate_fn; torch's default_collate stacks into this
+        process's arena (dpex.worker.arena) instead of shared memory, or straight
+        into ``slab``'s hand-off file, so the result must be encoded before the next call."""
+        from torch.utils.data import default_collate
+        if job.collate is not default_collate:
+            return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
+        if self.arena is None:  # only children collate: the daemon need not import torch
+            from dpex.worker.arena import Arena
+            self.arena = Arena()
+        return self.arena.collate(samples, slab.data if slab is not None else None)
+
+    def _claim_slab(self, job: _Job) -> Any:
+        """A hand-off file to stack this batch into, where the job's batches go
+        through default_collate uncompressed and the last one was large enough to
+        travel as a file; else None (the batch is copied into its file, if any).
+        Its name is ``<pid>-s<n>``: this process claims its own spares first."""
+        from torch.utils.data import default_collate
+        if (not self.handoff_dir or job.collate is not default_collate or job.compression or self.arena is None
+                or self.arena.size < self.handoff_min_bytes):
+            return None
+        if self.slabs is None:
+            from dpex.worker.slabs import Slabs
+            self.slabs = Slabs(self.handoff_dir, self.count)
+        return self.slabs.claim(f"{os.getpid()}-s{self.produced + 1}", self.arena.size)
+
+    def _in_place(self, slab: Any, meta: Any, batch: Any) -> Handoff | None:
+        """The frame of a batch stacked into ``slab``, its head written before its
+        data; None where it cannot be (the batch is then copied into a file)."""
+        import functools
+
+        from dpex.wire.codec import encode_placed
+        from dpex.wire.frame import frame_head
+        if self.arena.overflowed:
+            return None
+        head, copies, size = encode_placed(batch, functools.partial(self.slabs.offset_of, slab), self.arena.size)
+        serialized = meta.SerializeToString()
+        return self.slabs.finish(slab, frame_head(serialized, head, size), copies, size, serialized)
+
+    def produce(self, task: Task) -> bytes | Handoff:
+        """A whole Batch frame, with a payload or an error (a large one as a
+        hand-off file: see dpex.shm)."""
+        from dpex.proto import worker_pb2 as wpb
+        from dpex.wire import encode_parts, frame_parts
+        from dpex.wire.compression import compress
+        meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
+                         epoch=task.epoch, seq=task.seq)
+        stage, index, slab = "build", -1, None
+        try:
+            job = self.load_job(task.job_id, task.job_path)
+            meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
+            stage = "worker_init_fn"
+            self._enter(task.job_id, task.epoch, task.base_seed, job)
+            # What torch's map-style fetcher reads: one element without auto-batching
+            # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
+            stage, dataset = "getitem", job.dataset
+            places = task.places if job.keyed else ()
+            if job.unbatched:
+                index = -1 if task.whole else task.indices[0]
+                self._reading(index)
+                self._seed_sample(task, places, 0)
+                samples = dataset[list(task.indices)] if task.whole else self._get(job, task, index)
+                self._reading(-1)
+            elif getattr(dataset, "__getitems__", None) and not job.sample_cache:
+                self._seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
+                samples = dataset.__getitems__(list(task.indices))
+            else:
+                samples = []
+                for i, index in enumerate(task.indices):
+                    self._reading(index)
+                    self._seed_sample(task, places, i)
+                    samples.append(self._get(job, task, index))
+                self._reading(-1)
+            stage, index = "collate", -1
+            if places:
+                seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), self.contexts[self.current].users)
+            slab = self._claim_slab(job)
+            batch = self.collate(job, samples, slab)
+            seeding.clear()
+            stage = "encode"
+            done = self._in_place(slab, meta, batch) if slab is not None else None
+            if done is not None:
+                self.produced += 1
+                return done
+            parts = encode_parts(batch)
+            if job.compression:
+                meta.raw_size = sum(memoryview(p).nbytes for p in parts)
+                meta.compression = job.compression
+                parts = [compress(job.compression, parts)]
+        except Exception as e:
+            seeding.clear()
+            if slab is not None:
+                self.slabs.release(slab)
+            meta.error.CopyFrom(self.remote_error(e, stage, index))
+            return meta.SerializeToString()
+        self.produced += 1
+        frame = shm.frame(self.handoff_dir, self.handoff_min_bytes, f"{os.getpid()}-{self.produced}",
+                          frame_parts(meta, parts), self.count)
+        if slab is not None:  # stacked into, then copied: a spare again
+            self.slabs.release(slab)
+        return frame
+
+    def _seed_sample(self, task: Task, places: Sequence[int], i: int) -> None:
+        """Keys the process's generators to sample ``i`` of the task (a job with
+        keyed draws; else they run on, as in torch's workers)."""
+        if places:
+            seeding.seed_globals(seeding.for_sample(task.base_seed, places[i]), self.contexts[self.current].users)
+
+    def _reading(self, index: int) -> None:
+        """Says which sample this process reads (-1: none), for the report of its death (a segfault)."""
+        if self.slots is not None:
+            self.slots[2 * self.index + 1] = index
+
+    def remote_error(self, e: BaseException, stage: str, index: int = -1, process: int | None = None):
+        """The exception as a dpex.v1.RemoteError: what the trainer needs to
+        raise it again (dpex.errors.rebuild) and to say where it happened."""
+        from dpex.proto import worker_pb2 as wpb
+        kind = type(e)
+        return wpb.RemoteError(
+            type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
+            type_ref=f"{kind.__module__}:{kind.__qualname__}",
+            message=str(e), traceback=traceback.format_exc(), sample_index=index,
+            worker=self.worker_address, stage=stage, process=self.index if process is None else process)
+
+    def inspect(self, job_id: int, job_path: str) -> bytes:
+        """Builds the dataset and reports its length."""
+        from dpex.proto import worker_pb2 as wpb
+        try:
+            from torch.utils.data import IterableDataset
+            job = self.load_job(job_id, job_path)
+            return wpb.InspectResponse(length=job.length, iterable=isinstance(job.dataset, IterableDataset),
+                                       fingerprint=job.fingerprint).SerializeToString()
+        except Exception as e:
+            return wpb.InspectResponse(length=-1, error=self.remote_error(e, "build")).SerializeToString()
 
 
 def _sample_digest(job: Any) -> bytes:
@@ -148,46 +304,6 @@ def _sample_digest(job: Any) -> bytes:
     return h.digest()[:16]
 
 
-def _get(job: _Job, task: Task, index: int) -> Any:
-    """dataset[index], from the worker's sample cache where the job keeps its samples."""
-    if not job.sample_cache:
-        return job.dataset[index]
-    global _samples
-    if _samples is None:
-        from dpex.worker.samples import SampleCache
-        memory = os.path.join(_handoff_dir, "samples") if _handoff_dir else None
-        _samples = SampleCache(memory, os.path.join(os.path.dirname(task.job_path), "samples"), *_sample_budgets)
-    return _samples.sample(job.sample_cache, job.sample_digest, index, lambda: job.dataset[index])
-
-
-def _enter(job_id: int, epoch: int, base_seed: int, job: _Job) -> None:
-    """Makes this process the job's worker ``_child_index`` for ``epoch``, as
-    torch's DataLoader does for its workers: seeds ``base_seed + id`` (numpy
-    through torch's seed sequence), WorkerInfo, then ``worker_init_fn(id)``.
-    A process serving several jobs keeps each one's RNG streams apart."""
-    global _current
-    from torch.utils.data._utils import worker as torch_worker
-    key = (job_id,) if job.persistent else (job_id, epoch)
-    if key == _current:
-        return
-    if _current in _contexts:
-        _contexts[_current].rng[:] = seeding.global_states()
-    context = _contexts.get(key)
-    _current = key
-    if context is not None:
-        _contexts.move_to_end(key)
-        seeding.restore_global_states(context.rng)
-        torch_worker._worker_info = context.info
-        return
-    _contexts[key] = _Context(become_worker(job, base_seed, _child_index, _num_children), [])
-    while len(_contexts) > 4 * _MAX_CACHED_JOBS:
-        _contexts.popitem(last=False)
-    if job.worker_init_fn is not None and not job.main_process:
-        marks = seeding.seed_marks()
-        job.worker_init_fn(_child_index)
-        _contexts[key] = _contexts[key]._replace(users=seeding.seeded_since(marks))
-
-
 def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -> Any:
     """torch's worker set-up: seeds from ``base_seed + id`` and WorkerInfo
     (None for a job of ``num_workers=0``: torch's main process has none)."""
@@ -195,161 +311,77 @@ def become_worker(job: _Job, base_seed: int, worker_id: int, num_workers: int) -
 
     import numpy as np
     import torch
-    from torch.utils.data._utils import worker as torch_worker
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
-    info = None if job.main_process else torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
-                                                                  dataset=job.dataset)
-    torch_worker._worker_info = info
+    np.random.seed(torch_private.numpy_worker_seed(base_seed, worker_id))
+    info = None if job.main_process else torch_private.worker_info(id=worker_id, num_workers=num_workers, seed=seed,
+                                                                    dataset=job.dataset)
+    torch_private.set_worker_info(info)
     return info
 
 
-def collate(job: _Job, samples: list, slab: Any = None) -> Any:
-    """The job's collate_fn; torch's default_collate stacks into this
-    process's arena (dpex.worker.arena) instead of shared memory, or straight
-    into ``slab``'s hand-off file, so the result must be encoded before the next call."""
-    from torch.utils.data import default_collate
-    if job.collate is not default_collate:
-        return job.collate(samples)  # a user's collate_fn sees get_worker_info(), as in torch
-    global _arena
-    if _arena is None:  # only children collate: the daemon need not import torch
-        from dpex.worker.arena import Arena
-        _arena = Arena()
-    return _arena.collate(samples, slab.data if slab is not None else None)
+# ---- the process's entry points: what the pool runs, by name ---------------------------
+_process = BatchProcess()  # this process's; init_child (or a test's use()) gives it its own
 
 
-def _claim_slab(job: _Job) -> Any:
-    """A hand-off file to stack this batch into, where the job's batches go
-    through default_collate uncompressed and the last one was large enough to
-    travel as a file; else None (the batch is copied into its file, if any).
-    Its name is ``<pid>-s<n>``: this process claims its own spares first."""
-    global _slabs
-    from torch.utils.data import default_collate
-    if (not _handoff_dir or job.collate is not default_collate or job.compression or _arena is None
-            or _arena.size < _handoff_min_bytes):
-        return None
-    if _slabs is None:
-        from dpex.worker.slabs import Slabs
-        _slabs = Slabs(_handoff_dir, _num_children)
-    return _slabs.claim(f"{os.getpid()}-s{_produced + 1}", _arena.size)
+def use(process: BatchProcess) -> BatchProcess:
+    """Makes ``process`` this process's; the one it replaces."""
+    global _process
+    old, _process = _process, process
+    return old
 
 
-def _in_place(slab: Any, meta: Any, batch: Any) -> Handoff | None:
-    """The frame of a batch stacked into ``slab``, its head written before its
-    data; None where it cannot be (the batch is then copied into a file)."""
-    import functools
+def current() -> BatchProcess:
+    return _process
 
-    from dpex.wire.codec import encode_placed
-    from dpex.wire.frame import frame_head
-    if _arena.overflowed:
-        return None
-    head, copies, size = encode_placed(batch, functools.partial(_slabs.offset_of, slab), _arena.size)
-    serialized = meta.SerializeToString()
-    return _slabs.finish(slab, frame_head(serialized, head, size), copies, size, serialized)
+
+def init_child(worker_address: Any, counter: Any, num_children: int, handoff_dir: str | None,
+               handoff_min_bytes: int, daemon_pid: int | None = None, slots: Any = None,
+               sample_budgets: tuple[int, int] = SAMPLE_BUDGETS) -> None:
+    """A pool's initializer: this process becomes the pool's next batch process."""
+    with counter.get_lock():  # each child of a pool gets its own id, as torch's workers
+        index = counter.value
+        counter.value += 1
+    if slots is not None:
+        slots[2 * index] = os.getpid()
+    use(BatchProcess(worker_address, index, num_children, handoff_dir, handoff_min_bytes, slots, sample_budgets))
+    init_process(worker_address, daemon_pid)
+
+
+def init_process(worker_address: Any, daemon_pid: int | None = None) -> None:
+    """Set-up of every process that runs user code for a worker
+    (``worker_address``: a str, or a shared char array the daemon fills in)."""
+    _process._worker_address = worker_address
+    # Even if the daemon is SIGKILLed; and at once if it died while this
+    # process was starting (children start without the daemon waiting for them).
+    die_with_parent(daemon_pid)
+    map_big_buffers()  # batches are mapped and unmapped whole: they cannot fragment the heap
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
+    import torch
+    torch.set_num_threads(1)  # as torch's DataLoader workers: processes give the parallelism
 
 
 def produce(task: Task) -> bytes | Handoff:
-    """Runs in a child: returns a whole Batch frame, with a payload or an
-    error (a large one as a hand-off file: see dpex.shm)."""
-    global _produced
-    from dpex.proto import worker_pb2 as wpb
-    from dpex.wire import encode_parts, frame_parts
-    from dpex.wire.compression import compress
-    meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
-                     epoch=task.epoch, seq=task.seq)
-    stage, index, slab = "build", -1, None
-    try:
-        job = load_job(task.job_id, task.job_path)
-        meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
-        stage = "worker_init_fn"
-        _enter(task.job_id, task.epoch, task.base_seed, job)
-        # What torch's map-style fetcher reads: one element without auto-batching
-        # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
-        stage, dataset = "getitem", job.dataset
-        places = task.places if job.keyed else ()
-        if job.unbatched:
-            index = -1 if task.whole else task.indices[0]
-            _reading(index)
-            _seed_sample(task, places, 0)
-            samples = dataset[list(task.indices)] if task.whole else _get(job, task, index)
-            _reading(-1)
-        elif getattr(dataset, "__getitems__", None) and not job.sample_cache:
-            _seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
-            samples = dataset.__getitems__(list(task.indices))
-        else:
-            samples = []
-            for i, index in enumerate(task.indices):
-                _reading(index)
-                _seed_sample(task, places, i)
-                samples.append(_get(job, task, index))
-            _reading(-1)
-        stage, index = "collate", -1
-        if places:
-            seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), _contexts[_current].users)
-        slab = _claim_slab(job)
-        batch = collate(job, samples, slab)
-        seeding.clear()
-        stage = "encode"
-        done = _in_place(slab, meta, batch) if slab is not None else None
-        if done is not None:
-            _produced += 1
-            return done
-        parts = encode_parts(batch)
-        if job.compression:
-            meta.raw_size = sum(memoryview(p).nbytes for p in parts)
-            meta.compression = job.compression
-            parts = [compress(job.compression, parts)]
-    except Exception as e:
-        seeding.clear()
-        if slab is not None:
-            _slabs.release(slab)
-        meta.error.CopyFrom(remote_error(e, stage, index))
-        return meta.SerializeToString()
-    _produced += 1
-    frame = shm.frame(_handoff_dir, _handoff_min_bytes, f"{os.getpid()}-{_produced}", frame_parts(meta, parts),
-                      _num_children)
-    if slab is not None:  # stacked into, then copied: a spare again
-        _slabs.release(slab)
-    return frame
-
-
-def _seed_sample(task: Task, places: Sequence[int], i: int) -> None:
-    """Keys the process's generators to sample ``i`` of the task (a job with
-    keyed draws; else they run on, as in torch's workers)."""
-    if places:
-        seeding.seed_globals(seeding.for_sample(task.base_seed, places[i]), _contexts[_current].users)
-
-
-def _reading(index: int) -> None:
-    """Says which sample this process reads (-1: none), for the report of its death (a segfault)."""
-    if _slots is not None:
-        _slots[2 * _child_index + 1] = index
-
-
-def remote_error(e: BaseException, stage: str, index: int = -1, process: int | None = None):
-    """The exception as a dpex.v1.RemoteError: what the trainer needs to
-    raise it again (dpex.errors.rebuild) and to say where it happened."""
-    from dpex.proto import worker_pb2 as wpb
-    kind = type(e)
-    return wpb.RemoteError(
-        type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
-        type_ref=f"{kind.__module__}:{kind.__qualname__}",
-        message=str(e), traceback=traceback.format_exc(), sample_index=index,
-        worker=worker_address(), stage=stage, process=_child_index if process is None else process)
+    """Runs in a child: :meth:`BatchProcess.produce`."""
+    return _process.produce(task)
 
 
 def inspect(job_id: int, job_path: str) -> bytes:
-    """Runs in a child: builds the dataset and reports its length."""
-    from dpex.proto import worker_pb2 as wpb
-    try:
-        from torch.utils.data import IterableDataset
-        job = load_job(job_id, job_path)
-        return wpb.InspectResponse(length=job.length, iterable=isinstance(job.dataset, IterableDataset),
-                                   fingerprint=job.fingerprint).SerializeToString()
-    except Exception as e:
-        return wpb.InspectResponse(length=-1, error=remote_error(e, "build")).SerializeToString()
+    """Runs in a child: :meth:`BatchProcess.inspect`."""
+    return _process.inspect(job_id, job_path)
+
+
+def load_job(job_id: int, job_path: str) -> _Job:
+    return _process.load_job(job_id, job_path)
+
+
+def collate(job: _Job, samples: list, slab: Any = None) -> Any:
+    return _process.collate(job, samples, slab)
+
+
+def remote_error(e: BaseException, stage: str, index: int = -1, process: int | None = None):
+    return _process.remote_error(e, stage, index, process)
 
 
 def warm_up() -> int:

@@ -9,7 +9,7 @@ from dpex.worker.pool import BatchPool
 
 
 def whoami(_=None):
-    return runtime._child_index, os.getpid()
+    return runtime.current().index, os.getpid()
 
 
 def die(_=None):

@@ -23,12 +23,9 @@ def a_batch_process():
     """This process as a batch process for one test: its job cache, its
     worker info and its global generators are put back afterwards."""
     states, info = seeding.global_states(), torch_worker._worker_info
-    runtime._worker_address = "test-worker"
+    old = runtime.use(runtime.BatchProcess("test-worker"))
     yield
-    runtime._jobs.clear()
-    runtime._contexts.clear()
-    runtime._current = None
-    runtime._worker_address = ""
+    runtime.use(old)
     torch_worker._worker_info = info
     seeding.restore_global_states(states)
 
@@ -98,7 +95,8 @@ def test_a_worker_init_fn_that_only_draws_leaves_the_draws_keyed(tmp_path):
     _, want = batch_of(produce(Task(1, keyed, 0, 0, 0, [3, 4], 99, places=[30, 40])))
     _, got = batch_of(produce(Task(2, drawing, 0, 0, 0, [3, 4], 99, places=[30, 40])))
     assert torch.equal(got["x"], want["x"])
-    assert runtime._contexts[runtime._current].users == frozenset()
+    process = runtime.current()
+    assert process.contexts[process.current].users == frozenset()
 
 
 def test_inspect_reports_length_kind_and_build_errors(tmp_path):

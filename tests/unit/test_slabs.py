@@ -39,12 +39,11 @@ def process(tmp_path):
     states = seeding.global_states()
     directory = os.path.join(shm.SHM, f"dpex-{os.getpid()}")
     os.makedirs(directory)
-    runtime._worker_address, runtime._handoff_dir, runtime._num_children = "test-worker", directory, 1
+    old = runtime.use(runtime.BatchProcess("test-worker", handoff_dir=directory))
     yield directory
-    if runtime._slabs is not None:
-        runtime._slabs.close()
-    runtime._jobs.clear(), runtime._contexts.clear()
-    runtime._current, runtime._arena, runtime._slabs, runtime._handoff_dir = None, None, None, None
+    if runtime.current().slabs is not None:
+        runtime.current().slabs.close()
+    runtime.use(old)
     seeding.restore_global_states(states)
     shutil.rmtree(directory)
 
@@ -95,7 +94,7 @@ def test_a_process_takes_its_own_spare_back_still_mapped(tmp_path, process):
     mappings = []
     for seq in range(4):
         back_as_spare(produce(Task(1, path, 0, 0, seq, list(range(64)))))
-        mappings.append([slab.mapped for slab in runtime._slabs._mapped.values()] if runtime._slabs else [])
+        mappings.append([slab.mapped for slab in runtime.current().slabs._mapped.values()] if runtime.current().slabs else [])
     # The copied first batch's file, then one file written in place, mapped once: not faulted in again.
     assert mappings[0] == [] and len(mappings[1]) == 1 and all(m == mappings[1] for m in mappings[1:])
     assert len(os.listdir(process)) <= 2
@@ -129,10 +128,10 @@ def test_a_file_somebody_removed_is_let_go(tmp_path, process):
     path = job(tmp_path, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=200, dim=DIM))
     for seq in range(2):
         frame = produce(Task(1, path, 0, 0, seq, list(range(64))))
-    (held,) = runtime._slabs._mapped.values()
+    (held,) = runtime.current().slabs._mapped.values()
     os.unlink(frame.path)  # e.g. a trainer that forked while it had the file mapped
     produce(Task(1, path, 0, 0, 2, list(range(64))))
-    assert held not in runtime._slabs._mapped.values()
+    assert held not in runtime.current().slabs._mapped.values()
     del held  # the mapping goes with it: no file of the directory is held open
     fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
            if os.path.exists(f"/proc/self/fd/{fd}")]
