@@ -6,6 +6,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 
 import pytest
 
@@ -45,6 +46,9 @@ def test_a_wheel_from_a_clean_checkout_installs_and_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path / "dist"), src], check=True, cwd=str(tmp_path), timeout=300)
     (wheel,) = os.listdir(tmp_path / "dist")
+    with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:  # no two top-level names that differ only in case
+        tops = {name.split("/")[0] for name in z.namelist() if not name.startswith("dpex-")}
+    assert "Dpex.py" in tops and len({t.lower() for t in tops}) == len(tops), tops
     # A fresh venv; its dependencies (torch, grpcio, ...) are this venv's, through a path
     # entry (a .pth in it is not run, so the checkout's editable dpex stays out of it).
     env_dir = str(tmp_path / "venv")
@@ -66,3 +70,6 @@ def test_a_wheel_from_a_clean_checkout_installs_and_runs(tmp_path):
                          cwd=str(tmp_path), timeout=180)
     assert out.returncode == 0, out.stderr
     assert "one epoch 3" in out.stdout
+    out = subprocess.run([py, "-c", "from Dpex import dataloader; print(dataloader.DpexDataLoader.__name__)"],
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
+    assert out.stdout.strip() == "DpexDataLoader", out.stderr
