@@ -414,6 +414,8 @@ class EpochFetcher:
     def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
         self._ledger.given(meta.seq, self._ordered)
+        if meta.HasField("stages"):  # where its batch process's time went
+            self._meter.stage(meta.stages)
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
         if meta.HasField("error"):

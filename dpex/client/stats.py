@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 INPUT_BOUND_WAIT_FRACTION = 0.1  # waiting more than this share of the time: data is the bottleneck
 MAX_SCALE_STEP = 4               # workers_needed is at most this many times the live workers
@@ -20,7 +21,11 @@ class LoaderStats:
     spent blocked in ``next()``. ``workers_needed`` is how many workers of
     the measured speed would keep the trainer from waiting, at most
     4 times the live workers (a step to take and measure again); ``advice``
-    says why, in words.
+    says why, in words. ``stages``: the mean seconds a batch spent in its
+    batch process, by stage (``dataset`` and ``dataset_cpu``: the dataset's
+    own code, wall and CPU, wall well above CPU meaning it waits on storage or
+    the network; ``collate`` and ``collate_cpu``; ``dpex``: the rest, Dpex's
+    part), over the batches whose process timed them; empty before any.
     """
     batches: int
     bytes_received: int
@@ -32,7 +37,11 @@ class LoaderStats:
     workers_alive: int
     workers_needed: int
     advice: str = ""
+    stages: dict[str, float] = field(default_factory=dict)
 
+
+# A batch process's stages (dpex.v1.StageTimes, without the _s), as LoaderStats.stages names them.
+STAGES = ("dataset", "dataset_cpu", "collate", "collate_cpu", "dpex")
 
 NEED_WINDOW_S = 10.0  # the need reported to the dispatcher is measured over about this much time
 FIRST_NEED_WINDOW_S = 3.0  # ... the first one over this much: a waiting trainer gets workers sooner
@@ -59,6 +68,8 @@ class StatsMeter:
         self.recent_rate = 0.0   # batches per second taken over the last window
 
     def _reset(self) -> None:
+        self._stage_sums = dict.fromkeys(STAGES, 0.0)
+        self._staged = 0  # batches whose stages were timed
         self._batches = self._bytes = 0
         self._elapsed = self._wait = 0.0
         self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
@@ -77,6 +88,13 @@ class StatsMeter:
             self._window[2] += 1
             self._batches += 1
             self._bytes += nbytes
+
+    def stage(self, times: Any) -> None:
+        """Adds a batch's stage times (a dpex.v1.StageTimes) from its batch process."""
+        with self._lock:
+            for name in STAGES:
+                self._stage_sums[name] += getattr(times, f"{name}_s")
+            self._staged += 1
 
     def recent(self) -> tuple[float, float]:
         """The share of time waiting and the batches per second over the last
@@ -123,7 +141,9 @@ class StatsMeter:
             result = LoaderStats(batches=batches, bytes_received=self._bytes, elapsed_s=elapsed, wait_s=wait,
                                  batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
                                  wait_fraction=fraction, input_bound=bound,
-                                 workers_alive=alive, workers_needed=needed, advice=advice)
+                                 workers_alive=alive, workers_needed=needed, advice=advice,
+                                 stages={name: total / self._staged for name, total in self._stage_sums.items()}
+                                 if self._staged else {})
             if reset:
                 self._reset()
             return result

@@ -33,8 +33,9 @@ log = logging.getLogger("dpex.dispatcher")
 class Journaled:
     """The state machine, its journal and what is kept beside it (who was
     last heard, which loader holds each consumer, the long polls, plan
-    files). Every field below is guarded by ``lock``, but ``config``,
-    ``stopping`` and ``store``'s own (it has a lock of its own)."""
+    files, the keys). Every field below is guarded by ``lock``, but
+    ``config`` and ``stopping``, and ``store``, ``plan_files`` and ``keys``,
+    which have locks of their own."""
 
     def __init__(self, config: DispatcherConfig, clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: what the liveness tables (heartbeat, consumer and GC

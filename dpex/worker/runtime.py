@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Sequence
@@ -183,7 +184,7 @@ class BatchProcess:
             self.slabs = Slabs(self.handoff_dir, self.count)
         return self.slabs.claim(f"{os.getpid()}-s{self.produced + 1}", self.arena.size)
 
-    def _in_place(self, slab: Any, meta: Any, batch: Any) -> Handoff | None:
+    def _in_place(self, slab: Any, meta: Any, batch: Any, clock: "_StageClock") -> Handoff | None:
         """The frame of a batch stacked into ``slab``, its head written before its
         data; None where it cannot be (the batch is then copied into a file)."""
         import functools
@@ -193,6 +194,7 @@ class BatchProcess:
         if self.arena.overflowed:
             return None
         head, copies, size = encode_placed(batch, functools.partial(self.slabs.offset_of, slab), self.arena.size)
+        clock.rest(meta.stages)
         serialized = meta.SerializeToString()
         return self.slabs.finish(slab, frame_head(serialized, head, size), copies, size, serialized)
 
@@ -205,6 +207,7 @@ class BatchProcess:
         meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                          epoch=task.epoch, seq=task.seq)
         stage, index, slab = "build", -1, None
+        clock = _StageClock()
         try:
             job = self.load_job(task.job_id, task.job_path)
             meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
@@ -214,6 +217,7 @@ class BatchProcess:
             # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
             stage, dataset = "getitem", job.dataset
             places = task.places if job.keyed else ()
+            clock.start()
             if job.unbatched:
                 index = -1 if task.whole else task.indices[0]
                 self._reading(index)
@@ -230,14 +234,17 @@ class BatchProcess:
                     self._seed_sample(task, places, i)
                     samples.append(self._get(job, task, index))
                 self._reading(-1)
+            clock.stop(meta.stages, "dataset")
             stage, index = "collate", -1
             if places:
                 seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), self.contexts[self.current].users)
             slab = self._claim_slab(job)
+            clock.start()
             batch = self.collate(job, samples, slab)
+            clock.stop(meta.stages, "collate")
             seeding.clear()
             stage = "encode"
-            done = self._in_place(slab, meta, batch) if slab is not None else None
+            done = self._in_place(slab, meta, batch, clock) if slab is not None else None
             if done is not None:
                 self.produced += 1
                 return done
@@ -246,6 +253,7 @@ class BatchProcess:
                 meta.raw_size = sum(memoryview(p).nbytes for p in parts)
                 meta.compression = job.compression
                 parts = [compress(job.compression, parts)]
+            clock.rest(meta.stages)
         except Exception as e:
             seeding.clear()
             if slab is not None:
@@ -291,6 +299,28 @@ class BatchProcess:
                                        fingerprint=job.fingerprint).SerializeToString()
         except Exception as e:
             return wpb.InspectResponse(length=-1, error=self.remote_error(e, "build")).SerializeToString()
+
+
+class _StageClock:
+    """Times a batch's stages in its process (dpex.v1.StageTimes): wall and
+    the process's CPU of each stage timed, the rest of the batch's wall Dpex's."""
+
+    def __init__(self) -> None:
+        self._begun = time.perf_counter()
+        self._timed = 0.0
+        self._at = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._at = (time.perf_counter(), time.process_time())
+
+    def stop(self, stages: Any, name: str) -> None:
+        wall, cpu = time.perf_counter() - self._at[0], time.process_time() - self._at[1]
+        setattr(stages, f"{name}_s", wall)
+        setattr(stages, f"{name}_cpu_s", cpu)
+        self._timed += wall
+
+    def rest(self, stages: Any) -> None:
+        stages.dpex_s = max(0.0, time.perf_counter() - self._begun - self._timed)
 
 
 def _sample_digest(job: Any) -> bytes:

@@ -30,12 +30,14 @@ def a_batch_process():
     seeding.restore_global_states(states)
 
 
-def job_file(tmp_path, dataset: str, name: str = "job.pb", worker_init_fn=None, **kwargs) -> str:
+def job_file(tmp_path, dataset: str, name: str = "job.pb", worker_init_fn=None, collate_fn=None, **kwargs) -> str:
     path = tmp_path / name
     job = dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", **kwargs)),
                      num_consumers=1)
     if worker_init_fn is not None:
         job.worker_init_fn = cloudpickle.dumps(worker_init_fn)
+    if collate_fn is not None:
+        job.collate = cloudpickle.dumps(collate_fn)
     path.write_bytes(job.SerializeToString())
     return str(path)
 
@@ -106,3 +108,26 @@ def test_inspect_reports_length_kind_and_build_errors(tmp_path):
     assert stream.iterable
     broken = wpb.InspectResponse.FromString(runtime.inspect(3, job_file(tmp_path, "BrokenInit", "b.pb")))
     assert broken.length == -1 and broken.error.type == "FileNotFoundError"
+
+
+def _burning_collate(samples):
+    """default_collate after 50 ms of CPU."""
+    import time
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    return default_collate(samples)
+
+
+def test_a_batch_says_where_its_process_spent_its_time(tmp_path):
+    # issue 56: the dataset's own code (wall and CPU: sleeping is waiting, not computing), collate_fn, Dpex's rest.
+    slow = job_file(tmp_path, "Slow", n=8, delay_s=0.02)
+    meta, _ = batch_of(produce(Task(1, slow, 0, 0, 0, [0, 1, 2, 3])))
+    st = meta.stages
+    assert st.dataset_s >= 0.08 and st.dataset_cpu_s < st.dataset_s / 2
+    assert st.collate_s < 0.05 and st.dpex_s >= 0
+    burning = job_file(tmp_path, "Squares", "burning.pb", collate_fn=_burning_collate, n=8)
+    meta, batch = batch_of(produce(Task(2, burning, 0, 0, 0, [0, 1])))
+    st = meta.stages
+    assert st.collate_cpu_s >= 0.05 and st.collate_s >= st.collate_cpu_s * 0.9 and st.dataset_s < st.collate_s
+    assert batch["y"].tolist() == [0, 1]
