@@ -184,7 +184,7 @@ class BatchProcess:
             self.slabs = Slabs(self.handoff_dir, self.count)
         return self.slabs.claim(f"{os.getpid()}-s{self.produced + 1}", self.arena.size)
 
-    def _in_place(self, slab: Any, meta: Any, batch: Any, clock: "_StageClock") -> Handoff | None:
+    def _in_place(self, slab: Any, meta: Any, batch: Any, clock: "StageClock") -> Handoff | None:
         """The frame of a batch stacked into ``slab``, its head written before its
         data; None where it cannot be (the batch is then copied into a file)."""
         import functools
@@ -207,7 +207,7 @@ class BatchProcess:
         meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
                          epoch=task.epoch, seq=task.seq)
         stage, index, slab = "build", -1, None
-        clock = _StageClock()
+        clock = StageClock()
         try:
             job = self.load_job(task.job_id, task.job_path)
             meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
@@ -301,7 +301,7 @@ class BatchProcess:
             return wpb.InspectResponse(length=-1, error=self.remote_error(e, "build")).SerializeToString()
 
 
-class _StageClock:
+class StageClock:
     """Times a batch's stages in its process (dpex.v1.StageTimes): wall and
     the process's CPU of each stage timed, the rest of the batch's wall Dpex's."""
 

@@ -121,7 +121,9 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
 def _next_frame(job: Any, samples: Any, stateful: tuple[bool, bool], split: dict, j: int) -> bytes | None:
     """Batch ``j`` of the stream as a frame, or its error's; None at the stream's end."""
     stage = "iterate"
+    times, clock = wpb.StageTimes(), runtime.StageClock()
     try:
+        clock.start()
         if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
             batch = next(samples, _END)
             if batch is _END:
@@ -134,17 +136,22 @@ def _next_frame(job: Any, samples: Any, stateful: tuple[bool, bool], split: dict
                 batch.append(item)
             if not batch or (job.drop_last and len(batch) < job.batch_size):
                 return None
+        clock.stop(times, "dataset")  # the iterator's next(): the dataset's own code
         stage = "state_dict"  # a stream without one is resumed by running it again from its start
         states = (job.dataset.state_dict() if stateful[0] else None,
                   samples.state_dict() if stateful[1] else None)
         stage = "collate"
+        clock.start()
         collated = runtime.collate(job, batch)
+        clock.stop(times, "collate")
         state = b""
         if any(stateful):  # the generators as collate_fn left them: where the next batch draws from
             state = cloudpickle.dumps(_Resumable(states[0], seeding.global_states() if job.keyed else None,
                                                  states[1]))
         stage = "encode"
-        return b"".join(frame_parts(meta(split, j, stream_state=state), wire.encode_parts(collated)))
+        parts = wire.encode_parts(collated)
+        clock.rest(times)
+        return b"".join(frame_parts(meta(split, j, stream_state=state, stages=times), parts))
     except Exception as e:
         return meta(split, j, error=runtime.remote_error(e, stage, process=split["stream"])).SerializeToString()
 
