@@ -40,9 +40,10 @@ class Epochs:
         self.replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
         self.resume: EpochState | None = None   # from load_state_dict(), for the next iter()
 
-    def begin(self) -> Iterator[Any]:
+    def begin(self, owner: Any) -> Iterator[Any]:
         """The next epoch, as ``iter()`` returns it: planned and started when
-        torch's iterator first asks its sampler (see dpex.client.paced)."""
+        torch's iterator first asks its sampler (see dpex.client.paced).
+        ``owner``: the loader, which the epoch keeps alive while it is read."""
         resume, self.resume = self.resume, None
         epoch = self.counter
         self.counter += 1
@@ -53,7 +54,7 @@ class Epochs:
             draw, asked = self.plans.begin(epoch), 0
         prefetch = self.opts.prefetch_factor * self.opts.num_workers if not self.plans.iterable else 1
         length = len(self.plans) if not self.plans.iterable or self.plans.length >= 0 else 0
-        return PacedEpoch(lambda: self._start(epoch, draw, resume), draw, length, prefetch, asked)
+        return PacedEpoch(lambda: self._start(epoch, draw, resume), draw, length, prefetch, asked, owner)
 
     def _start(self, epoch: int, draw: EpochDraw, resume: EpochState | None) -> Iterator[Any]:
         """Submits epoch ``epoch``'s plan (``draw``'s, or ``resume``'s) and returns its fetcher."""

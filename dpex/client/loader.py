@@ -236,7 +236,7 @@ class RemoteDataLoader:
         if self._instance is not None:
             self._ship_dataset()
         self._session.connect()
-        return self._epochs.begin()
+        return self._epochs.begin(self)  # as torch's iterator, the epoch keeps its loader alive
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, to save with a checkpoint (plain JSON-safe

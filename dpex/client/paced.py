@@ -21,10 +21,12 @@ class PacedEpoch:
     ``draw.ask(n)`` called as torch's iterator would ask for its n-th index
     batch. ``prefetch``: index batches asked at ``iter()`` (0: none, the
     first at the first ``next()``); ``asked``: those asked before (a resumed
-    epoch's batches already given). ``start`` holds the loader: as torch's
-    iterator, an epoch keeps its loader alive while it is read."""
+    epoch's batches already given). ``owner`` (the loader) is held: as
+    torch's iterator, an epoch keeps its loader alive while it is read."""
 
-    def __init__(self, start: Callable[[], Any], draw: Any, length: int, prefetch: int, asked: int = 0) -> None:
+    def __init__(self, start: Callable[[], Any], draw: Any, length: int, prefetch: int, asked: int = 0,
+                 owner: Any = None) -> None:
+        self._owner = owner
         self._start, self._draw, self._length = start, draw, length
         self._prefetch, self._asked = prefetch, asked
         self._epoch: Any = None

@@ -180,7 +180,7 @@ def test_only_a_jobs_loaders_touch_its_epochs_definition_and_batches():
 def test_a_loader_that_joined_a_job_cannot_take_another_loaders_consumer_with_client_id_0(cluster):
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
-    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=2, job_name="held", timeout=30) as dl:
+    with dpex.RemoteDataLoader(cluster.address, spec, batch_size=2, job_name="held-by-its-loader", timeout=30) as dl:
         it = iter(dl)
         got = next(it)["y"].tolist()
         stub = dgrpc.DispatcherStub(channel(cluster.address))

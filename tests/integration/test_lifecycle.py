@@ -161,3 +161,14 @@ def test_a_worker_removes_the_definitions_of_jobs_the_dispatcher_collected():
         with dpex.RemoteDataLoader(c.address, spec, batch_size=2, job_name="done-0", timeout=60) as dl:
             assert len(list(dl)) == 4  # the name again: a new job, its definition fetched again
             assert f"job-{dl.job_id}.pb" in kept()
+
+
+def test_a_loader_dropped_while_its_epoch_is_read_gives_the_whole_epoch(cluster):
+    # `for b in DataLoader(...)`: torch's iterator keeps its loader alive; so does a Dpex epoch (the loader
+    # is not collected, its streams not closed, mid-epoch). torch is the oracle.
+    from torch.utils.data import DataLoader
+    from dpex.testing.datasets import Squares
+    got = [b["y"].tolist() for b in dpex.RemoteDataLoader(cluster.address, dpex.DatasetSpec(
+        "dpex.testing.datasets:Squares", n=12), batch_size=4, timeout=30)]
+    gc.collect()
+    assert got == [b["y"].tolist() for b in DataLoader(Squares(12), batch_size=4)]
