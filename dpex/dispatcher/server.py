@@ -99,12 +99,13 @@ class DispatcherServer:
             raise
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "[::]") else config.host
         self.address = f"{host}:{self.port}"
-        # Without a token beyond loopback anyone on the network may call: said as a warning.
+        # Without a token, listening beyond loopback: said as a warning (calls are answered from loopback
+        # peers only, or, with --allow-unauthenticated, from anyone on the network).
         exposed = not config.auth_token and not is_loopback_host(config.host)
         log.log(logging.WARNING if exposed else logging.INFO, "dispatcher listening on %s:%d (%s); %s",
                 config.host, self.port, "TLS" if config.tls_cert_file else "plaintext",
                 "auth: a token is required on every call" if config.auth_token else
-                "auth: NONE - anyone who can reach this port may call it; jobs (shipped code) are "
+                "auth: NONE - calls (jobs with their shipped code, status, epochs) are "
                 + ("accepted from anywhere (--allow-unauthenticated)" if config.allow_unauthenticated
                    else "accepted from loopback peers only"))
 

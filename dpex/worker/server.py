@@ -145,7 +145,8 @@ class WorkerServer:
         log.log(logging.WARNING if exposed else logging.INFO, "worker serving on %s (%s) with %d processes; %s",
                 self.address, "TLS" if config.tls_cert_file else "plaintext", config.processes,
                 "auth: a token is required on every call" if config.auth_token else
-                "auth: NONE - anyone who can reach this port may fetch batches")
+                "auth: NONE - batches are served to " + ("anyone who can reach this port (--allow-unauthenticated)"
+                                                         if config.allow_unauthenticated else "loopback peers only"))
 
     async def _listen(self, config: WorkerConfig) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(self._rpc_threads,
