@@ -5,16 +5,14 @@ shared save/load test helper, one set of tests, one fixture per kind."""
 from dataclasses import dataclass
 from pathlib import Path
 
-import cloudpickle
 import pytest
 
-import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import wait_until
 from dpex.wire import decode, parse_frame
-from dpex.worker.pool import BatchPool
 from dpex.worker.runners import Key, MapRunner, StreamRunner
 from dpex.worker.scheduler import Scheduler
+from tests.unit.batches import job_file
 
 N = 6  # batches in the split
 
@@ -37,30 +35,16 @@ class Case:
         return (batch["y"] if "y" in batch else batch["i"]).tolist()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = BatchPool(1, "test-worker")
-    yield p
-    p.close()
-
-
-def job_file(tmp_path: Path, dataset: str, **kwargs) -> str:
-    path = tmp_path / "job.pb"
-    spec = dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", **kwargs)
-    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(spec), num_consumers=1, batch_size=2).SerializeToString())
-    return str(path)
-
-
 @pytest.fixture(params=["map", "stream"])
 def case(request, pool, tmp_path):
     gate = tmp_path / "gate"
     if request.param == "map":  # batch i is samples 2i, 2i+1
-        path = job_file(tmp_path, "Gated", n=2 * N, path=str(gate))
+        path = job_file(tmp_path, "Gated", batch_size=2, n=2 * N, path=str(gate))
         split = dpb.Split(split_id=1, job_id=9, consumer_index=0, epoch=0, first_seq=0,
                           batches=[dpb.IndexBatch(indices=[2 * i, 2 * i + 1]) for i in range(N)])
         kind, pooled = MapRunner, N
     else:  # stream 0 of 1: batch j is items 2j, 2j+1
-        path = job_file(tmp_path, "GatedCounting", n=2 * N, path=str(gate))
+        path = job_file(tmp_path, "GatedCounting", batch_size=2, n=2 * N, path=str(gate))
         split = dpb.Split(split_id=1, job_id=9, consumer_index=0, epoch=0, first_seq=0, num_streams=1)
         kind, pooled = StreamRunner, 0
     s = Scheduler(pool, lambda job_id: path, buffer_batches=8, max_inflight=2, worker_address="test-worker")

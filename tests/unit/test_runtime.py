@@ -2,20 +2,18 @@
 becomes one Batch frame as torch's worker makes a batch (torch is the
 oracle), errors name their stage and sample, and keyed draws depend on a
 sample's place alone."""
-import cloudpickle
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 from torch.utils.data._utils import worker as torch_worker
 
-import dpex
 from dpex import seeding
-from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.testing.datasets import Squares, WorkerProbe, record_worker_init
 from dpex.wire import decode, parse_frame
 from dpex.worker import runtime
 from dpex.worker.runtime import Task, produce
+from tests.unit.batches import job_file
 
 
 @pytest.fixture(autouse=True)
@@ -28,18 +26,6 @@ def a_batch_process():
     runtime.use(old)
     torch_worker._worker_info = info
     seeding.restore_global_states(states)
-
-
-def job_file(tmp_path, dataset: str, name: str = "job.pb", worker_init_fn=None, collate_fn=None, **kwargs) -> str:
-    path = tmp_path / name
-    job = dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}", **kwargs)),
-                     num_consumers=1)
-    if worker_init_fn is not None:
-        job.worker_init_fn = cloudpickle.dumps(worker_init_fn)
-    if collate_fn is not None:
-        job.collate = cloudpickle.dumps(collate_fn)
-    path.write_bytes(job.SerializeToString())
-    return str(path)
 
 
 def batch_of(frame) -> tuple[wpb.Batch, object]:

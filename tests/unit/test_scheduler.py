@@ -1,31 +1,15 @@
 """The worker's scheduler, with a real process pool: memory stays bounded by
 the buffer, requested batches still get produced, released work is dropped."""
-import cloudpickle
 import pytest
 
-import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import wait_until
 from dpex.wire import decode, parse_frame
 from dpex.worker.pool import BatchPool
 from dpex.worker.scheduler import Key, Scheduler
+from tests.unit.batches import job_file
 
 BUFFER = 3
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = BatchPool(1, "test-worker")
-    yield p
-    p.close()
-
-
-def job_file(tmp_path, dataset: str, **kwargs) -> str:
-    path = tmp_path / "job.pb"
-    path.write_bytes(dpb.JobDef(dataset=cloudpickle.dumps(dpex.DatasetSpec(f"dpex.testing.datasets:{dataset}",
-                                                                           **kwargs)),
-                                num_consumers=1).SerializeToString())
-    return str(path)
 
 
 @pytest.fixture
