@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from typing import Any, Callable
 
 from dpex.launch.local import LocalCluster
 from dpex.procutil import alive
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (nothing listens there: a refused address, or one to listen on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> LocalCluster:

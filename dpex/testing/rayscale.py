@@ -15,13 +15,9 @@ import sys
 import tempfile
 import time
 
+from dpex.testing.cluster import free_port
+
 HEAD_TYPE = "ray.head.default"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _machine_ip() -> str:
@@ -42,7 +38,7 @@ class FakeAutoscalingCluster:
     def __init__(self, node_cpus: float = 1, max_nodes: int = 4, head_cpus: float = 0,
                  idle_minutes: float = 0.1) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths live under it
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"{_machine_ip()}:{self.port}"
         self.head_cpus = head_cpus
         self.config = {
@@ -71,7 +67,7 @@ class FakeAutoscalingCluster:
         env.update(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_TMPDIR=self.temp_dir)
         subprocess.run([ray, "start", "--head", f"--autoscaling-config={config}", f"--port={self.port}",
                         f"--num-cpus={self.head_cpus}", f"--temp-dir={self.temp_dir}",
-                        f"--ray-client-server-port={_free_port()}",
+                        f"--ray-client-server-port={free_port()}",
                         "--include-dashboard=false", "--disable-usage-stats"],
                        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self

@@ -1,7 +1,6 @@
 """Connection failures are loud at once and final on time; peers that come
 back are found again within seconds."""
 import logging
-import socket
 import time
 
 import pytest
@@ -10,15 +9,9 @@ import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import call, channel
-from dpex.testing import test_cluster, wait_until
+from dpex.testing import free_port, test_cluster, wait_until
 
 SQUARES = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=40)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_refused_address_is_reported_at_the_first_attempt(caplog):

@@ -11,7 +11,6 @@ RAY_TMPDIR, not /tmp/ray, so a developer's own Ray node is left alone."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import dpex.ray  # noqa: E402
 from dpex import DatasetSpec, DpexDataLoader, DpexConfigError, DpexConnectionError  # noqa: E402
-from dpex.testing import wait_until  # noqa: E402
+from dpex.testing import free_port, wait_until  # noqa: E402
 
 SAMPLES = 240
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,12 +45,6 @@ def daemons_started_by_ray() -> list[str]:
         if "dpex.cmd." in cmd and "dpex-ray-" in cmd:
             found.append(f"{pid}: {cmd}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_data(root: str, name: str) -> str:
