@@ -196,21 +196,30 @@ class _Reaper:
     garbage collector runs a finalizer in whatever thread it interrupts, also
     inside gRPC while that holds a channel's lock; ending the epoch there
     (gRPC calls on the same channel) deadlocked (found by the differential
-    tester: zip(loader, loader) leaves one epoch to the collector)."""
+    tester: zip(loader, loader) leaves one epoch to the collector).
+
+    The collector may run one inside :meth:`put` itself (making the thread
+    allocates): that finalizer puts again, in the same thread, with the lock
+    held. Hence a re-entrant lock and a put that stays right when re-entered
+    (found by the differential tester's long run: a hang in zip(loader, loader))."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # its put is re-entrant, as a finalizer needs
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._pending = 0
 
     def put(self, end: Callable[[], None]) -> None:
         with self._lock:
             self._pending += 1
+            self._queue.put(end)
             if self._thread is None:  # a daemon: exit is not held up; drain() is the stop path
-                self._thread = threading.Thread(target=self._run, name="dpex-reaper", daemon=True)
-                self._thread.start()
-        self._queue.put(end)
+                self._thread = self._start_thread()
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="dpex-reaper", daemon=True)
+        thread.start()
+        return thread
 
     def _run(self) -> None:
         while True:

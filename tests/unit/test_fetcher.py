@@ -155,3 +155,24 @@ def test_a_left_epochs_control_news_is_not_the_next_epochs(cluster):
     wait_until(lambda: not left._control._thread.is_alive(), 10, "the left epoch's control to fail")
     assert [b["seq"].item() for b in following] == list(range(N))
     left.close()
+
+
+def test_the_reaper_takes_an_epoch_a_finalizer_hands_it_from_inside_its_own_put():
+    # The garbage collector runs finalizers wherever it is triggered, also inside _Reaper.put while that makes
+    # its thread: that finalizer puts another epoch, in the same thread. With a plain lock the trainer hung
+    # (the differential tester's long run, zip(loader, loader)).
+    from dpex.client import fetcher as fetching
+    reaper, ended = fetching._Reaper(), []
+    start = reaper._start_thread
+
+    def collected_meanwhile():  # as the collector would, once
+        reaper._start_thread = start
+        reaper.put(lambda: ended.append("the collected epoch"))
+        return start()
+    reaper._start_thread = collected_meanwhile
+    putting = threading.Thread(target=reaper.put, args=(lambda: ended.append("the left epoch"),), daemon=True)
+    putting.start()
+    putting.join(10)
+    assert not putting.is_alive(), "put() hung on its own lock"
+    reaper.drain(10)
+    assert sorted(ended) == ["the collected epoch", "the left epoch"]
