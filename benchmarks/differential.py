@@ -14,6 +14,7 @@ them: a program mostly waits on processes starting and ending, so a few
 run side by side on two cores. Each run prints its count every minute.
 """
 import argparse
+import faulthandler
 import os
 import re
 import shutil
@@ -32,14 +33,24 @@ from hypothesis.errors import Flaky  # noqa: E402
 TALLY = re.compile(r"^programs (\d+), steps (\d+), ")
 
 
-def one(programs: int, steps: int, random: bool) -> int:
+def one(programs: int, steps: int, random: bool, stall_s: float = 600.0) -> int:
     start, failed, done = time.monotonic(), None, threading.Event()
     unreproduced: list[str] = []  # failures hypothesis could not replay: kept and named, not a difference
 
     def progress() -> None:
-        while not done.wait(60):
+        last, since = -1, time.monotonic()
+        while not done.wait(min(60.0, stall_s)):
             print(f"... {Programs.programs} programs, {Programs.steps} steps, {time.monotonic() - start:.0f} s",
                   flush=True)
+            if Programs.steps != last:
+                last, since = Programs.steps, time.monotonic()
+            elif time.monotonic() - since > stall_s:  # a hang is a difference too: torch's steps end
+                print(f"a difference from torch: no step ended for {stall_s:g}s (a hang); every thread's stack:",
+                      flush=True)
+                faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+                print(f"programs {Programs.programs}, steps {Programs.steps}, {time.monotonic() - start:.0f} s: "
+                      "a difference from torch: a hang", flush=True)
+                os._exit(3)
     threading.Thread(target=progress, daemon=True).start()
     # Timeouts for a loaded machine (--jobs runs side by side): no live daemon or trainer is taken for gone.
     with test_cluster(num_workers=2, processes=1, heartbeat_timeout_s=10.0, consumer_timeout_s=60.0) as cluster:
@@ -70,11 +81,11 @@ def one(programs: int, steps: int, random: bool) -> int:
     return 1 if failed else 0
 
 
-def many(jobs: int, programs: int, steps: int) -> int:
+def many(jobs: int, programs: int, steps: int, stall_s: float) -> int:
     """``jobs`` runs of --random programs at once; their tallies summed."""
     start = time.monotonic()
     runs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--programs", str(-(-programs // jobs)),
-                              "--steps", str(steps), "--random"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              "--steps", str(steps), "--random", "--stall-s", str(stall_s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True) for _ in range(jobs)]
     tallies: list[tuple[int, int]] = []
 
@@ -104,10 +115,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="steps per program, at most")
     p.add_argument("--random", action="store_true", help="programs drawn anew (default: hypothesis's derandomized)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each drawing anew (implies --random)")
+    p.add_argument("--stall-s", type=float, default=600.0,
+                   help="no step ended for this long: a hang, reported with every thread's stack (exit 3)")
     args = p.parse_args()
     if args.jobs > 1:
-        return many(args.jobs, args.programs, args.steps)
-    return one(args.programs, args.steps, args.random)
+        return many(args.jobs, args.programs, args.steps, args.stall_s)
+    return one(args.programs, args.steps, args.random, args.stall_s)
 
 
 if __name__ == "__main__":  # torch's workers start from a forkserver: this module is imported again
