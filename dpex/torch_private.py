@@ -44,3 +44,14 @@ def iterable_len_asked(loader: Any) -> int | None:
     """The dataset's ``len()`` as ``len(loader)`` of a DataLoader of an IterableDataset
     read it, if it was asked (``_IterableDataset_len_called``: torch warns when more come)."""
     return loader._IterableDataset_len_called
+
+
+def shutdown_workers(loader: Any, iterators: Any = ()) -> None:
+    """Stops the worker processes of a torch DataLoader's iterators now, as their
+    collection would (``_shutdown_workers``), a persistent loader's own
+    (``_iterator``) too: a harness that keeps programs' loaders around (the
+    differential tester) would otherwise keep every one's workers alive."""
+    for iterator in (*iterators, getattr(loader, "_iterator", None)):
+        stop = getattr(iterator, "_shutdown_workers", None)
+        if stop is not None:
+            stop()

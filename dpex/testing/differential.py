@@ -29,6 +29,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
                               SubsetRandomSampler, get_worker_info)
 
+from dpex import torch_private
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import dpex.testing
 
 SLOTS = 3  # iterators a program holds at once
@@ -155,6 +157,8 @@ class Side:
         return self.generator.get_state(), torch.get_rng_state()
 
     def close(self) -> None:
+        if isinstance(self.loader, DataLoader):  # torch's: its workers stop now, not when the program is collected
+            torch_private.shutdown_workers(self.loader, self.iterators.values())
         self.iterators.clear()
         if hasattr(self.loader, "close"):
             self.loader.close()

@@ -57,3 +57,14 @@ def test_pin_memory_and_the_iterable_length_asked():
     loader = tud.DataLoader(Stream(), batch_size=2)
     assert torch_private.iterable_len_asked(loader) is None
     assert len(loader) == 3 and torch_private.iterable_len_asked(loader) == 5  # the dataset's len()
+
+
+def test_a_loaders_workers_stop_when_asked_as_when_collected():
+    import multiprocessing
+    loader = tud.DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,
+                            multiprocessing_context="fork")
+    held = iter(loader)
+    assert next(held).tolist() == [0, 1]
+    assert multiprocessing.active_children()
+    torch_private.shutdown_workers(loader, [held])
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
