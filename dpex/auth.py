@@ -75,6 +75,12 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def answers(peer: str, token: str | None, allow_unauthenticated: bool) -> bool:
+    """Whether a daemon answers ``peer`` at all: with a token (checked by
+    :class:`TokenCheck`) or ``allow_unauthenticated``, anyone; else loopback peers only."""
+    return bool(token or allow_unauthenticated) or is_loopback_peer(peer)
+
+
 def is_loopback_peer(peer: str) -> bool:
     """``context.peer()`` of a loopback client: ipv4:127.x, ipv6:[::1] or a unix socket."""
     return peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:"))

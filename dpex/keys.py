@@ -63,6 +63,11 @@ def worker_key(secret: bytes, worker_id: str) -> bytes:
     return _mac(secret, b"worker:" + worker_id.encode())
 
 
+def is_job_key(secret: bytes, job_id: int, given: bytes) -> bool:
+    """Whether ``given`` is job ``job_id``'s key (in constant time): the dispatcher's check and the workers'."""
+    return hmac.compare_digest(given, job_key(secret, job_id))
+
+
 class Refusals:
     """Refused calls: counted by reason, logged with the peer."""
 
@@ -94,7 +99,7 @@ class JobKeys:
         self.refusals = refusals
 
     def check_job(self, job_id: int, given: bytes, peer: str, call: str) -> None:
-        if not hmac.compare_digest(given, job_key(self.secret, job_id)):
+        if not is_job_key(self.secret, job_id, given):
             raise self.refusals.refuse(
                 "job key", peer, f"{call} names job {job_id} without its key: only the loaders that made or "
                 "joined a job act on its epochs, definition and batches")

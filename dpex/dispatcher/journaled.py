@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from dpex.auth import is_loopback_peer
+from dpex.auth import answers
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.claims import HELD_S, Claims
 from dpex.dispatcher.liveness import Liveness
@@ -154,7 +154,7 @@ class Journaled:
     def trusted_only(self, peer: str, what: str) -> None:
         """Without a token, every call comes from a loopback peer (code and
         unpickled batches, jobs' names and epochs), unless --allow-unauthenticated."""
-        if not (self.config.auth_token or self.config.allow_unauthenticated or is_loopback_peer(peer)):
+        if not answers(peer, self.config.auth_token, self.config.allow_unauthenticated):
             raise self.keys.refusals.refuse(
                 "not loopback", peer, f"this dispatcher has no auth token, so it {what} only from loopback "
                 "peers; give it a token (--auth-token-file / DPEX_AUTH_TOKEN) or --allow-unauthenticated")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import math
 import os
@@ -138,7 +137,7 @@ class DispatcherAgent:
         """Whether ``given`` is job ``job_id``'s key; None until registered (no secret yet)."""
         if not self._keys_secret:
             return None
-        return hmac.compare_digest(given, self.job_key(job_id))
+        return keys.is_job_key(self._keys_secret, job_id, given)
 
     def ensure_job(self, job_id: int) -> None:
         path = self.job_path(job_id)

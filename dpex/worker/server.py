@@ -18,7 +18,7 @@ from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex import auth
-from dpex.auth import is_loopback_host, is_loopback_peer, server_credentials
+from dpex.auth import answers, is_loopback_host, server_credentials
 from dpex.keys import Refusals
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
@@ -198,7 +198,7 @@ class WorkerServer:
 
     def _open_to(self, peer: str) -> bool:
         """Without a token, loopback peers only (unless --allow-unauthenticated)."""
-        return bool(self.config.auth_token or self.config.allow_unauthenticated) or is_loopback_peer(peer)
+        return answers(peer, self.config.auth_token, self.config.allow_unauthenticated)
 
     def _job_path(self, job_id: int) -> str:
         assert self.agent is not None
