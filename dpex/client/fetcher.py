@@ -309,11 +309,11 @@ class EpochFetcher:
         self._closed = False
         self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
+        self.key = (job_id, consumer_index, epoch)
+        streams.start_epoch(self.key)  # before the control thread, whose news must find it begun
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
                                 self._meter, client_id, job_key)
         self._control.next_seq = self._ledger.low
-        self.key = (job_id, consumer_index, epoch)
-        streams.start_epoch(self.key)
         self._exit = _Exit(self._control, leave, streams, self.key)
         _live.add(self._exit)
         self._finalizer = weakref.finalize(self, _reaper.put, self._exit)

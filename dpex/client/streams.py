@@ -152,7 +152,8 @@ class StreamPool:
         self._epoch: tuple[int, int, int] | None = None  # (job, consumer, epoch) being fetched
 
     def start_epoch(self, key: tuple[int, int, int]) -> None:
-        self._epoch = key
+        with self._lock:
+            self._epoch = key
 
     def wanted(self, frame: Any) -> bool:
         """Whether a frame is for the epoch being fetched. Others (a left or
@@ -167,18 +168,26 @@ class StreamPool:
         return False
 
     def end_epoch(self, key: tuple[int, int, int]) -> None:
-        """The epoch ended or was left: what is queued for it goes now (unless
-        a newer epoch started meanwhile: its fetcher drops what is not its own)."""
-        if self._epoch != key:
-            return
-        self._epoch = None
-        while True:
-            try:
-                item = self.results.get_nowait()
-            except queue.Empty:
+        """The epoch ended or was left: the frames queued for it go now (unless
+        a newer epoch started meanwhile: its fetcher drops what is not its own).
+        The rest stays: a left epoch is ended from another thread (dpex.client.fetcher's
+        reaper) while the next one's control thread may already have news for it."""
+        with self._lock:  # not between a newer epoch's start and its first frames
+            if self._epoch != key:
                 return
-            if isinstance(item, Received) and item.frame is not None:
-                self.wanted(item.frame)
+            self._epoch = None
+            kept = []
+            while True:
+                try:
+                    item = self.results.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, Received) and item.frame is not None:
+                    self.wanted(item.frame)
+                else:  # news for the fetchers (who drop another epoch's), a broken stream
+                    kept.append(item)
+            for item in kept:
+                self.results.put(item)
 
     def send(self, address: str, request: wpb.FetchRequest) -> None:
         with self._lock:

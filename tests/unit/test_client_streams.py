@@ -67,3 +67,22 @@ def test_the_end_of_an_epoch_drops_what_is_queued_for_it(worker):  # noqa: F811
             pass
     finally:
         pool.close()
+
+
+def test_the_end_of_a_left_epoch_keeps_the_news_of_the_next_one():
+    # A peek's epoch is ended by the reaper thread while the next peek's control thread
+    # already put its first owners on the lane's queue: taken with the old epoch's frames,
+    # the next epoch never learnt who owns its batches and waited for ever (CI, test_scripts).
+    pool = StreamPool(shared_memory=False)
+    try:
+        pool.start_epoch((1, 0, 4))
+        news, broken = ("owners", (1, 0, 5)), Received("127.0.0.1:1", None, ConnectionError("reset"))
+        pool.results.put(news)
+        pool.results.put(broken)
+        pool.end_epoch((1, 0, 4))
+        assert [pool.results.get_nowait() for _ in range(2)] == [news, broken]
+        pool.start_epoch((1, 0, 5))
+        pool.end_epoch((1, 0, 4))  # late, after the next began: the next one's epoch stays
+        assert pool._epoch == (1, 0, 5)
+    finally:
+        pool.close()
