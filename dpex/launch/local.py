@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from dpex.config import DispatcherConfig, WorkerConfig
 from dpex.errors import DpexConfigError, DpexError, DpexWorkerError
@@ -22,6 +22,22 @@ from dpex import shm
 _log = logging.getLogger("dpex.launch")
 
 START_TIMEOUT_S = 120.0  # how long a daemon may take to serve, however loaded the machine
+
+
+class _Processes:
+    """A LocalCluster's daemons, shared with its finalizer: the workers, the
+    dispatcher and those still starting, which the finalizer stops too; once it
+    ran (``closed``), nothing starts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.workers: list[Daemon] = []
+        self.dispatcher: Daemon | None = None
+        self.starting: set[Any] = set()
+        self.closed = False
+
+    def set_dispatcher(self, daemon: Daemon) -> None:
+        self.dispatcher = daemon
 
 
 class LocalCluster:
@@ -69,12 +85,9 @@ class LocalCluster:
         self._metrics_args = ["--metrics-port", "0"] if metrics else []
         self._worker_flags = list(worker_flags)
         self.log_dir = log_dir or temp_dir("cluster")  # named by pid: removed by a later cluster if we are killed
-        self._lock = threading.Lock()
         self._count = 0
-        self.workers: list[Daemon] = []
-        self._dispatcher_box: list[Daemon | None] = [None]  # shared with the finalizer
-        self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._lock, self.workers,
-                                           self._dispatcher_box, self.log_dir)
+        self._procs = _Processes()  # shared with the finalizer
+        self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._procs, self.log_dir)
         try:
             self._dispatcher_args = [
                 "dpex.cmd.dispatcher", "--host", host,
@@ -83,7 +96,7 @@ class LocalCluster:
                 "--split-size", str(split_size_batches), "--consumer-timeout", str(consumer_timeout_s),
             ] + (["--work-dir", work_dir] if work_dir else []) + self._tls_args + self._metrics_args + list(
                 dispatcher_flags)
-            self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", "0"])
+            self._start("dispatcher", [*self._dispatcher_args, "--port", "0"], self._procs.set_dispatcher)
             self.address = self.dispatcher.address
             self.add_workers(num_workers)
         except BaseException:
@@ -93,15 +106,35 @@ class LocalCluster:
     # ---- daemons --------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str],
                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
-        with self._lock:
+        with self._procs.lock:
+            if self._procs.closed:
+                raise DpexError(f"the cluster is stopping: no {name} starts")
             self._count += 1
             stem = os.path.join(self.log_dir, f"{name}-{self._count}")
-        ready, log_path = stem + ".ready", stem + ".log"
-        return (spawn(args, ready, log_path, {**self._env, **(env or {})}, start_new_session=self._own_session),
-                ready, log_path)
+            ready, log_path = stem + ".ready", stem + ".log"
+            process = spawn(args, ready, log_path, {**self._env, **(env or {})}, start_new_session=self._own_session)
+            self._procs.starting.add(process)
+        return process, ready, log_path
 
-    def _start(self, name: str, args: list[str]) -> Daemon:
-        return await_ready(name, *self._spawn(name, args), self._start_timeout_s)
+    def _serving(self, name: str, spawned: tuple[Any, str, str], keep: Callable[[Daemon], None]) -> Daemon:
+        """Waits for a daemon ``_spawn`` started to serve, then ``keep``s it in
+        the cluster, unless the cluster stopped meanwhile (then it is stopped too)."""
+        try:
+            daemon = await_ready(name, *spawned, self._start_timeout_s)
+        except BaseException:
+            with self._procs.lock:
+                self._procs.starting.discard(spawned[0])
+            raise
+        with self._procs.lock:
+            self._procs.starting.discard(spawned[0])
+            if not self._procs.closed:
+                keep(daemon)
+                return daemon
+        stop_process(daemon.process)
+        raise DpexError(f"the cluster stopped while its {name} started")
+
+    def _start(self, name: str, args: list[str], keep: Callable[[Daemon], None]) -> Daemon:
+        return self._serving(name, self._spawn(name, args), keep)
 
     def _worker_args(self, port: int | str = 0) -> list[str]:
         return ["dpex.cmd.worker", "--dispatcher", self.address, "--host", self.host, "--port", str(port),
@@ -115,20 +148,14 @@ class LocalCluster:
         """Starts ``n`` more workers (in parallel; ``env``: more environment
         variables for them) and waits until they serve."""
         started = [self._spawn("worker", self._worker_args(), env) for _ in range(n)]
-        daemons = []
-        for spawned in started:
-            daemons.append(await_ready("worker", *spawned, self._start_timeout_s))
-            with self._lock:
-                self.workers.append(daemons[-1])
-        return daemons
+        return [self._serving("worker", spawned, self._procs.workers.append) for spawned in started]
 
     def adopt_worker(self, process: Any, ready: str, log_path: str) -> Daemon:
         """Waits for a worker started elsewhere (an embedded worker forked
         from the trainer) to serve, and stops it with the cluster."""
-        daemon = await_ready("worker", process, ready, log_path, self._start_timeout_s)
-        with self._lock:
-            self.workers.append(daemon)
-        return daemon
+        with self._procs.lock:
+            self._procs.starting.add(process)
+        return self._serving("worker", (process, ready, log_path), self._procs.workers.append)
 
     def kill_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
         """Sends ``sig`` to a worker (default SIGKILL) and waits for it to exit."""
@@ -147,10 +174,8 @@ class LocalCluster:
         exited: registered there, it replaces the old one in the dispatcher at
         once (whose splits it takes), and trainers reach it where they were."""
         port = self.workers[index].address.rsplit(":", 1)[1]
-        new = self._start("worker", self._worker_args(port))
-        with self._lock:
-            self.workers[index] = new
-        return new
+        return self._start("worker", self._worker_args(port),
+                           lambda daemon: self._procs.workers.__setitem__(index, daemon))
 
     def restart_dispatcher(self, sig: int = signal.SIGKILL) -> Daemon:
         """Kills the dispatcher (default SIGKILL) and starts it again on the
@@ -166,12 +191,22 @@ class LocalCluster:
     def start_dispatcher(self) -> Daemon:
         """Starts a stopped dispatcher again, on its port (and work dir, if any)."""
         port = self.address.rsplit(":", 1)[1]
-        self._dispatcher_box[0] = self._start("dispatcher", [*self._dispatcher_args, "--port", port])
-        return self.dispatcher
+        return self._start("dispatcher", [*self._dispatcher_args, "--port", port], self._procs.set_dispatcher)
 
     @property
     def dispatcher(self) -> Daemon:
-        return self._dispatcher_box[0]
+        assert self._procs.dispatcher is not None
+        return self._procs.dispatcher
+
+    @property
+    def workers(self) -> list[Daemon]:
+        """The workers started, by index (one started again keeps its index)."""
+        return self._procs.workers
+
+    @property
+    def closed(self) -> bool:
+        """Stopping began (close(), collection or interpreter exit): nothing starts any more."""
+        return self._procs.closed
 
     @property
     def worker_addresses(self) -> list[str]:
@@ -179,17 +214,17 @@ class LocalCluster:
 
     # ---- lifetime -------------------------------------------------------------------
     @staticmethod
-    def _close_all(lock: threading.Lock, workers: list[Daemon], dispatcher_box: list[Any],
-                   log_dir: str) -> None:
-        with lock:
-            daemons = list(workers)
-        for daemon in daemons:  # all at once, then wait for each
-            if daemon.process.poll() is None:
-                daemon.process.terminate()
-        for daemon in daemons:
-            stop_process(daemon.process)
-        if dispatcher_box[0] is not None:
-            stop_process(dispatcher_box[0].process)
+    def _close_all(procs: "_Processes", log_dir: str) -> None:
+        with procs.lock:
+            procs.closed = True
+            processes = [d.process for d in procs.workers] + list(procs.starting)
+        for process in processes:  # all at once, then wait for each
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            stop_process(process)
+        if procs.dispatcher is not None:
+            stop_process(procs.dispatcher.process)
         shm.remove_dead_dirs()  # a worker killed with SIGKILL could not remove its own
         remove_dead_temp_dirs("worker")
         remove_dead_temp_dirs("dispatcher")
@@ -312,6 +347,9 @@ class _Shared:
         cluster = self._cluster
         assert cluster is not None
         dispatcher = cluster.dispatcher.process
+        dead = dispatcher.poll() is not None or any(w.process.poll() is not None for w in cluster.workers)
+        if not dead or cluster.closed or self._stop.is_set():  # stopping (at exit, its finalizer may come first)
+            return
         if dispatcher.poll() is not None:
             self._error = DpexWorkerError(
                 f"the embedded Dpex dispatcher {exit_reason(dispatcher.pid, dispatcher.returncode)} "
@@ -332,6 +370,8 @@ class _Shared:
             try:
                 cluster.respawn_worker(index)
             except DpexError as e:
+                if cluster.closed:
+                    return
                 self._error = DpexWorkerError(f"{what} (the embedded Dpex worker), and a new one did not start: "
                                               f"{e}", stage="process", worker=worker.address)
                 return

@@ -32,6 +32,34 @@ def test_local_cluster_close_stops_every_process():
     assert pids_alive(started) == []
 
 
+def test_a_worker_starting_when_the_cluster_stops_is_stopped_and_none_starts_after():
+    cluster = dpex.LocalCluster(num_workers=1)
+    spawned = cluster._spawn("worker", cluster._worker_args())  # what respawn_worker starts, not serving yet
+    cluster.close()  # at interpreter exit, the finalizer: it may come while a worker starts
+    assert spawned[0].poll() is not None
+    with pytest.raises(dpex.DpexError):
+        cluster._serving("worker", spawned, cluster.workers.append)
+    with pytest.raises(dpex.DpexError, match="stopping"):
+        cluster.respawn_worker(0)
+    assert cluster.workers[0].process.poll() is not None
+
+
+def test_the_embedded_cluster_does_not_take_its_own_stop_for_a_death(monkeypatch):
+    # At interpreter exit the cluster's finalizer may stop the daemons before stop_embedded()
+    # stops the thread that watches them: it started a worker again, and exit waited for it.
+    monkeypatch.setattr(local, "SUPERVISE_S", 3600.0)  # the test calls _supervise itself
+    lease = local.embedded(1, None, "spawn")
+    try:
+        lease.address
+        shared = lease._shared
+        shared._cluster.close()
+        shared._supervise()
+        assert shared._respawns == 0 and lease.failure() is None
+    finally:
+        lease.close()
+        local.stop_embedded()
+
+
 def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
     with test_cluster(num_workers=2) as c:  # every frame goes through /dev/shm
         with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
