@@ -5,6 +5,7 @@ pytest-xdist's controller once every worker process is done (a worker
 process would see the other's live directories)."""
 import gc
 import os
+import re
 import sys
 import tempfile
 import time
@@ -18,6 +19,9 @@ _BEFORE = pytest.StashKey[set]()
 _LEFT = pytest.StashKey[list]()
 
 
+_SESSION_ENV = "DPEX_TEST_SESSION"  # in every process the suite starts: what is not theirs is not its leftover
+
+
 def leftovers() -> set[str]:
     """Dpex's directories in the temp directory and /dev/shm, and the named
     semaphores of multiprocessing there (a worker's batch pool makes some)."""
@@ -28,8 +32,47 @@ def leftovers() -> set[str]:
     return found
 
 
+def _of_this_suite(pid: int, session: str) -> bool | None:
+    """Whether a live process was started by this suite (None: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{_SESSION_ENV}={session}".encode() in f.read().split(b"\0")
+    except FileNotFoundError:
+        return None
+    except OSError:  # another user's: not ours
+        return False
+
+
+def _others(paths: set[str], session: str) -> set[str]:
+    """Those of ``paths`` that a live process the suite did not start owns
+    (its pid in the name) or maps (a named semaphore): a user's own
+    dpex-worker, or another run beside the suite, is not a leak of the suite's."""
+    owners: dict[str, set[int]] = {}
+    for path in paths:
+        match = re.match(r"dpex-(?:[a-z]+-)?(\d+)(?:-|$)", os.path.basename(path))
+        if match:
+            owners[path] = {int(match.group(1))}
+    semaphores = {p for p in paths if os.path.basename(p).startswith("sem.")}
+    if semaphores:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped = {line.split(None, 5)[-1].strip() for line in f if "/dev/shm/sem." in line}
+            except OSError:
+                continue
+            for path in semaphores & mapped:
+                owners.setdefault(path, set()).add(int(pid))
+    return {path for path, pids in owners.items()
+            if pids and all(_of_this_suite(pid, session) is False for pid in pids)}
+
+
 def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _is_xdist_worker(config):  # before xdist starts its workers, which inherit it
+        os.environ[_SESSION_ENV] = f"{os.getpid()}-{time.time_ns()}"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -56,7 +99,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for kind in ("worker", "dispatcher", "cluster", "ray"):
             procutil.remove_dead_temp_dirs(kind)
         shm.remove_dead_dirs()
-        return leftovers() - before
+        new = leftovers() - before
+        return new - _others(new, os.environ[_SESSION_ENV])
 
     # Daemons stopped by the last tests may still be exiting: wait, then name what stayed.
     try:
