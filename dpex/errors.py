@@ -145,6 +145,20 @@ def _rebuild_raw(exc_type: type, args: tuple, state: dict) -> BaseException:
     return _restore(_rebuilt_class(exc_type), args, state)
 
 
+def remote(kind: type, message: str, *, stage: str, worker: str, sample_index: int = -1, traceback: str = "",
+           process: int | None = None):
+    """An exception of type ``kind`` as a dpex.v1.RemoteError, the one error
+    frame of a batch: what the trainer needs to raise it again (rebuild, its
+    inverse) and to say where it happened."""
+    from dpex.proto import worker_pb2 as wpb
+    error = wpb.RemoteError(type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
+                            type_ref=f"{kind.__module__}:{kind.__qualname__}", message=message,
+                            traceback=traceback, sample_index=sample_index, worker=worker, stage=stage)
+    if process is not None:
+        error.process = process
+    return error
+
+
 def rebuild(error, batch: str = "") -> DpexWorkerError:
     """The worker's exception as the trainer raises it: of its own type where
     that type is known here and takes a message (as torch's ExceptionWrapper

@@ -17,7 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
-from dpex import shm, stdlib
+from dpex import errors, shm, stdlib
 from dpex.worker import runtime
 from dpex.worker.runtime import Task
 
@@ -223,7 +223,5 @@ def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str 
     else:
         message = str(exc)
     sample = death[2] if death is not None else -1
-    meta.error.CopyFrom(wpb.RemoteError(type=kind.__name__, type_ref=f"{kind.__module__}:{kind.__qualname__}",
-                                        message=message, traceback="", sample_index=sample,
-                                        worker=worker_address, stage=stage))
+    meta.error.CopyFrom(errors.remote(kind, message, stage=stage, worker=worker_address, sample_index=sample))
     return meta.SerializeToString()

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Sequence
 
 from dpex.dataset import describe_dataset
-from dpex import seeding, torch_private
+from dpex import errors, seeding, torch_private
 from dpex.procutil import die_with_parent, map_big_buffers
 from dpex import shm
 from dpex.shm import Handoff
@@ -279,15 +279,9 @@ class BatchProcess:
             self.slots[2 * self.index + 1] = index
 
     def remote_error(self, e: BaseException, stage: str, index: int = -1, process: int | None = None):
-        """The exception as a dpex.v1.RemoteError: what the trainer needs to
-        raise it again (dpex.errors.rebuild) and to say where it happened."""
-        from dpex.proto import worker_pb2 as wpb
-        kind = type(e)
-        return wpb.RemoteError(
-            type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
-            type_ref=f"{kind.__module__}:{kind.__qualname__}",
-            message=str(e), traceback=traceback.format_exc(), sample_index=index,
-            worker=self.worker_address, stage=stage, process=self.index if process is None else process)
+        """The exception being handled, as its batch's error (dpex.errors.remote)."""
+        return errors.remote(type(e), str(e), stage=stage, worker=self.worker_address, sample_index=index,
+                             traceback=traceback.format_exc(), process=self.index if process is None else process)
 
     def inspect(self, job_id: int, job_path: str) -> bytes:
         """Builds the dataset and reports its length."""

@@ -15,7 +15,8 @@ import grpc
 
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Malformed, parser, servicer_method
-from dpex.errors import DpexAuthError
+from dpex import errors
+from dpex.errors import DpexAuthError, DpexWorkerError
 from dpex.keys import Refusals
 from dpex.wire import build_frame, parse_frame
 from dpex import shm
@@ -35,11 +36,10 @@ def oversize_frame(frame: bytes, limit: int, worker_address: str) -> bytes:
     """The error frame sent instead of a batch bigger than the worker's limit."""
     meta, _ = parse_frame(frame)
     error = wpb.Batch(job_id=meta.job_id, consumer_index=meta.consumer_index, epoch=meta.epoch, seq=meta.seq)
-    error.error.CopyFrom(wpb.RemoteError(
-        type="DpexWireError", stage="send", sample_index=-1, worker=worker_address,
-        message=f"the batch is {len(frame) / 2**20:.1f} MiB, over this worker's message limit of "
-                f"{limit / 2**20:.1f} MiB (dpex-worker --max-message-mb); use smaller batches "
-                "or raise the limit (trainers accept up to 1 GiB)"))
+    error.error.CopyFrom(errors.remote(
+        DpexWorkerError, f"the batch is {len(frame) / 2**20:.1f} MiB, over this worker's message limit of "
+                         f"{limit / 2**20:.1f} MiB (dpex-worker --max-message-mb); use smaller batches "
+                         "or raise the limit (trainers accept up to 1 GiB)", stage="send", worker=worker_address))
     return build_frame(error)
 
 

@@ -80,7 +80,7 @@ def test_a_frame_over_the_limit_is_sent_as_an_error_that_says_so(worker):
     scheduler, channel = worker
     scheduler.size = lambda seq: LIMIT + 1
     meta, _ = parse_frame(next(fetch(channel, [wpb.FetchRequest(job_id=1, seq=4)])))
-    assert meta.seq == 4 and meta.error.type == "DpexWireError" and meta.error.stage == "send"
+    assert meta.seq == 4 and meta.error.type == "dpex.errors.DpexWorkerError" and meta.error.stage == "send"
     assert "over this worker's message limit of 1.0 MiB" in meta.error.message
 
 
