@@ -214,6 +214,9 @@ class Outage:
             log.warning("reached %s again after an outage of %.1fs", target, time.monotonic() - since)
 
 
+_CLOSED = "Channel closed!"  # gRPC's words for a call cut short because this process closed its channel
+
+
 def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: float,
          retry_for_s: float = 0.0, stop: Callable[[], bool] | None = None,
          track: Callable[[grpc.Future], None] | None = None, outage: Outage | None = None) -> Any:
@@ -244,7 +247,9 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
             raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
-            if code == grpc.StatusCode.CANCELLED and stop is not None and stop():
+            details = (e.details() if hasattr(e, "details") else None) or ""
+            if code == grpc.StatusCode.CANCELLED and stop is not None and stop() or _CLOSED in details:
+                # Asked for, or our channel was closed under the call (its owner is closing): no outage.
                 raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
             # CANCELLED that we did not ask for: the server cut the call short (it was stopping), or our
             # channel closed (the next try says so): an outage like UNAVAILABLE, never a silent end.
@@ -258,7 +263,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
                 if retry_for_s > 0:
                     error.args = (f"{error} (unreachable for {now - since:.0f}s)",)
                 raise error from None
-            why = (e.details() if hasattr(e, "details") else None) or code
+            why = details or code
             if since == now:  # the first failure of this outage
                 log.warning("cannot reach %s (%s); retrying %s", target, why,
                             f"for {deadline - now:.0f}s" if deadline < math.inf else "until it is back")
