@@ -60,6 +60,14 @@ def not_assigned_frame(key: Key) -> bytes:
                                  epoch=key.epoch, seq=key.seq, not_assigned=True))
 
 
+def make(split: dpb.Split, job_path: str, worker_address: str, buffer: int, budget: Budget) -> "SplitRunner":
+    """The runner of a held split (as tf.data service's TaskRunner::Create): its
+    stream's process (an IterableDataset epoch) or its batches' in the pool."""
+    if split.num_streams:
+        return StreamRunner(split, job_path, worker_address, buffer)
+    return MapRunner(split, budget)
+
+
 class SplitRunner(Protocol):
     """One held split, as the scheduler sees it."""
     split: dpb.Split

@@ -32,7 +32,8 @@ from dpex.worker.meter import Meter
 from dpex.worker.planner import Planner
 from dpex.worker.pool import BatchPool
 from dpex.worker.queues import Queues
-from dpex.worker.runners import Frame, Held, Key, MapRunner, Sink, SplitRunner, StreamRunner, not_assigned_frame
+from dpex.worker import runners
+from dpex.worker.runners import Frame, Held, Key, MapRunner, Sink, SplitRunner
 from dpex.worker.samples import tiers_bytes
 from dpex.worker.sharing import Shared, content_key
 from dpex.log import fields
@@ -100,10 +101,8 @@ class Scheduler:
         with self._cond:
             if split.split_id in self._held:
                 return
-            if split.num_streams:
-                runner = StreamRunner(split, self._job_path(split.job_id), self._address, self._buffer)
-            else:
-                runner = MapRunner(split, self._budget)
+            runner = runners.make(split, self._job_path(split.job_id), self._address, self._buffer, self._budget)
+            if runner.pooled:
                 self._queues.of(runner.consumer)
             self._held.add(runner)
         if runner.pooled:
@@ -304,25 +303,15 @@ class Scheduler:
         digest = self._share_digest(key.job_id) if self.shared is not None and runner.planned else None
         if digest is None or runner.error is not None:
             return make()
-        ck = content_key(digest, runner.task(key, ""))
-        frame = self.shared.take(ck, key)
-        if frame is not None:
-            done: Future = Future()
-            done.set_result(frame)
-            return done
-        followed = self.shared.follow(ck, key)
-        if followed is not None:
-            self._following.add(key)
-            return _or_else(followed, make, key)
-        self.shared.lead(ck)
         # Kept only for the jobs that may ask for it: of this definition, reading this epoch of this base
         # seed (a sweep's trial of another seed never does: its batches are others, issue 55).
         mine = runner.split
-        wanted = {r.split.job_id for r in self._held if not r.split.num_streams
-                  and r.split.job_id != key.job_id and r.split.epoch == mine.epoch
-                  and r.split.base_seed == mine.base_seed and self._share_digest(r.split.job_id) == digest}
-        made = make()
-        made.add_done_callback(lambda f: self.shared.made(ck, f.result(), wanted))
+        made, following = self.shared.make(content_key(digest, runner.task(key, "")), key, make, lambda: {
+            r.split.job_id for r in self._held.pooled() if r.split.job_id != key.job_id
+            and r.split.epoch == mine.epoch and r.split.base_seed == mine.base_seed
+            and self._share_digest(r.split.job_id) == digest})
+        if following:
+            self._following.add(key)
         return made
 
     def _done(self, runner: MapRunner, key: Key, frame: Frame) -> None:
@@ -354,20 +343,3 @@ class Scheduler:
             runner.close()
         self._thread.join()
         self._planner.close()
-
-
-def _or_else(followed: Future, make: Callable[[], Future], key: Key) -> Future:
-    """``followed``'s frame, or (None: the making it followed failed) a batch made anew."""
-    out: Future = Future()
-
-    def settle(f: Future) -> None:
-        frame = f.result()
-        if frame is not None:
-            out.set_result(frame)
-            return
-        try:
-            make().add_done_callback(lambda again: out.set_result(again.result()))
-        except RuntimeError:  # the pool is closing: the trainer asks another worker, as for any batch it made
-            out.set_result(not_assigned_frame(key))
-    followed.add_done_callback(settle)
-    return out

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 from dpex import shm
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts, parse_frame
+from dpex.worker.runners import not_assigned_frame
 from dpex.worker.runtime import Task
 
 def content_key(digest: bytes, task: Task) -> bytes:
@@ -62,6 +63,27 @@ class Shared:
     def bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+    def make(self, ck: bytes, key: object, make: Callable[[], Future],
+             wanted: Callable[[], set]) -> tuple[Future, bool]:
+        """Batch ``key`` (a runners.Key) of content ``ck``: re-headed from a
+        kept one; or waited for while another job makes it here (then True:
+        it takes no batch process), made anew if that making fails; or made
+        with ``make()``, for the followers that come meanwhile and kept for
+        the jobs ``wanted()`` names. ``make()`` raises RuntimeError when the pool is closing."""
+        frame = self.take(ck, key)
+        if frame is not None:
+            done: Future = Future()
+            done.set_result(frame)
+            return done, False
+        followed = self.follow(ck, key)
+        if followed is not None:
+            return _or_else(followed, make, key), True
+        self.lead(ck)
+        jobs = wanted()
+        made = make()
+        made.add_done_callback(lambda f: self.made(ck, f.result(), jobs))
+        return made, False
 
     def take(self, ck: bytes, key: object) -> "bytes | shm.Handoff | None":
         """Batch ``key`` (a runners.Key) from a kept batch of content ``ck``, if any."""
@@ -151,6 +173,23 @@ class Shared:
         meta.CopyFrom(kept.meta)
         meta.job_id, meta.consumer_index, meta.epoch, meta.seq = key.job_id, key.consumer_index, key.epoch, key.seq
         return self._make_frame(frame_parts(meta, [kept.payload]))
+
+
+def _or_else(followed: Future, make: Callable[[], Future], key: object) -> Future:
+    """``followed``'s frame, or (None: the making it followed failed) a batch made anew."""
+    out: Future = Future()
+
+    def settle(f: Future) -> None:
+        frame = f.result()
+        if frame is not None:
+            out.set_result(frame)
+            return
+        try:
+            make().add_done_callback(lambda again: out.set_result(again.result()))
+        except RuntimeError:  # the pool is closing: the trainer asks another worker, as for any batch it made
+            out.set_result(not_assigned_frame(key))
+    followed.add_done_callback(settle)
+    return out
 
 
 def _failed(frame: "bytes | shm.Handoff") -> bool:
