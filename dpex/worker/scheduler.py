@@ -1,4 +1,4 @@
-"""Decides which batch the worker's pool makes next, of the splits it holds
+"""Runs the worker's pool on the splits it holds: which batch next (dpex.worker.picking)
 (one runner each, dpex.worker.runners).
 
 Batches a trainer has requested come first (they are what it waits for);
@@ -26,7 +26,7 @@ from typing import Callable
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex import shm
-from dpex.worker import capacity
+from dpex.worker import capacity, picking
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.meter import Meter
 from dpex.worker.planner import Planner
@@ -230,55 +230,13 @@ class Scheduler:
             self._cond.notify_all()
 
     # ---- production ------------------------------------------------------------------
-    def _pick_urgent(self) -> Key | None:
-        """The lowest requested batch not being made, of the job whose turn it is."""
-        return self._queues.pick(lambda c, q: q.head(q.urgent, lambda k: self._held.waited(k)
-                                                     and k not in self._running))
-
-    def _pick_ahead(self, active: int, blocked: list[Consumer]) -> Key | None:
-        """The lowest batch to make ahead, of the job whose turn it is, of a consumer
-        with room in its share; those with no room in the whole buffer go to ``blocked``."""
-        def choose(c: Consumer, q) -> Key | None:
-            if q.idle or not self._budget.room(c, active):
-                return None
-            key = q.head(q.pending, lambda k: k not in self._running)
-            if key is not None and not self._budget.fits(c):
-                blocked.append(c)
-                return None
-            return key
-        return self._queues.pick(choose)
-
-    def _evict(self, active: int, consumers) -> bool:
-        """Drops the newest ready batch of the consumer most over its share, if any."""
-        victim = self._budget.over_share(active, consumers)
-        if victim is not None:
-            self._drop_ready(victim, keep=self._budget.holding(victim).ready - 1)
-        return victim is not None
-
-    def _next(self) -> Key | None:
-        key = self._pick_urgent()
-        if key is not None:
-            return key
-        active = self._queues.active(self._budget)
-        # Within the memory bound: a newcomer's first batch, of a size not known before, may have gone over it.
-        while self._budget.total_bytes() > self._budget.max_bytes and self._evict(active, self._queues):
-            pass
-        blocked: list[Consumer] = []
-        key = self._pick_ahead(active, blocked)
-        if key is not None or not blocked:
-            return key
-        # The memory is full of batches of consumers over their share (they
-        # were alone when they made them): evict one so that a newcomer gets its share.
-        if not self._evict(active, [c for c in self._queues if c not in blocked]):
-            return None
-        return self._pick_ahead(active, [])
-
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
                 self._held.expire(time.monotonic() - self._grace_s)
                 making = len(self._running) - len(self._following)  # batches in the pool
-                key = self._next() if making < self._max_inflight else None
+                key = picking.next_key(self._queues, self._budget, self._held, self._running,
+                                       self._drop_ready) if making < self._max_inflight else None
                 if key is None:
                     self._cond.wait(0.5 if self._held.waiting else None)
                     continue
