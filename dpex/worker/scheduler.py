@@ -1,5 +1,5 @@
-"""Runs the worker's pool on the splits it holds: which batch next (dpex.worker.picking)
-(one runner each, dpex.worker.runners).
+"""Runs the worker's pool on the splits it holds (one runner each,
+dpex.worker.runners), making next the batch dpex.worker.picking chooses.
 
 Batches a trainer has requested come first (they are what it waits for);
 then batches made ahead of requests, each consumer up to ``buffer_batches``
