@@ -133,5 +133,5 @@ def no_embedded_cluster_outlives_its_module():
     """An embedded cluster waits 10 s for the process's next loader: none is
     left running (and loading the machine) under the next module's tests."""
     yield
-    from dpex.launch import local
-    local.stop_embedded()
+    from dpex.launch import embedded
+    embedded.stop_embedded()

@@ -50,7 +50,7 @@ class RemoteDataLoader:
 
     ``address`` is the dispatcher's HOST:PORT (or ``dpex://HOST:PORT``); None
     is this process's embedded local cluster (``processes`` worker processes;
-    see :func:`dpex.launch.local.embedded`), started in the background by the
+    see :func:`dpex.launch.embedded.embedded`), started in the background by the
     first loader that needs it and shared with the process's other loaders;
     ``"auto"`` and Ray addresses are resolved as ``DpexDataLoader``'s
     ``head_address`` (``dpex.launch.head``).
@@ -179,7 +179,8 @@ class RemoteDataLoader:
         self._finalizer = weakref.finalize(self, session.close)
         try:
             if address is None:  # started in the background, shared with this process's other loaders
-                from dpex.launch.local import START_TIMEOUT_S, embedded
+                from dpex.launch.embedded import embedded
+                from dpex.launch.local import START_TIMEOUT_S
                 session.cluster = embedded(opts.processes or os.cpu_count() or 1, token, opts.start_method)
                 session.target = "the embedded dispatcher"
                 # Ours, and serving once it said so: no wrong address to fail fast on, and its owner reports

@@ -79,7 +79,7 @@ def test_a_live_holder_still_refuses_a_newcomer_after_the_claim_time(cluster):
 
 
 def _embedded_worker(loader):
-    return loader._remote._session.cluster._shared._cluster.workers[0].process
+    return loader._remote._session.cluster._cluster._cluster.workers[0].process
 
 
 @pytest.mark.timeout(120)
@@ -101,7 +101,7 @@ def test_a_killed_embedded_worker_is_started_again_and_the_epoch_completes_once(
 
 @pytest.mark.timeout(120)
 def test_an_embedded_worker_that_keeps_dying_fails_in_torchs_words_within_seconds():
-    from dpex.launch.local import MAX_RESPAWNS
+    from dpex.launch.embedded import MAX_RESPAWNS
     dl = dpex.DpexDataLoader(Squares(N), distribute_mode=True, batch_size=1, num_workers=1)
     try:
         it = iter(dl)

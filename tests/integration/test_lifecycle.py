@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import dpex
-from dpex.launch import local
+from dpex.launch import embedded
 from dpex.testing import descendants, pids_alive, test_cluster, wait_until
 from dpex import shm
 
@@ -47,17 +47,17 @@ def test_a_worker_starting_when_the_cluster_stops_is_stopped_and_none_starts_aft
 def test_the_embedded_cluster_does_not_take_its_own_stop_for_a_death(monkeypatch):
     # At interpreter exit the cluster's finalizer may stop the daemons before stop_embedded()
     # stops the thread that watches them: it started a worker again, and exit waited for it.
-    monkeypatch.setattr(local, "SUPERVISE_S", 3600.0)  # the test calls _supervise itself
-    lease = local.embedded(1, None, "spawn")
+    monkeypatch.setattr(embedded, "SUPERVISE_S", 3600.0)  # the test calls _supervise itself
+    lease = embedded.embedded(1, None, "spawn")
     try:
         lease.address
-        shared = lease._shared
-        shared._cluster.close()
-        shared._supervise()
-        assert shared._respawns == 0 and lease.failure() is None
+        owner = lease._cluster
+        owner._cluster.close()
+        owner._supervise()
+        assert owner._respawns == 0 and lease.failure() is None
     finally:
         lease.close()
-        local.stop_embedded()
+        embedded.stop_embedded()
 
 
 def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
@@ -73,7 +73,7 @@ def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
 
 
 def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch(monkeypatch):
-    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 0.5)
+    monkeypatch.setattr(embedded, "EMBEDDED_LINGER_S", 0.5)
     before = set(descendants(os.getpid()))
     loader = dpex.RemoteDataLoader(None, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64),
                                    batch_size=4, processes=1, timeout=60)
@@ -89,7 +89,7 @@ def test_embedded_default_runs_and_cleans_up_on_gc_mid_epoch(monkeypatch):
 
 
 def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_background(monkeypatch):
-    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 60.0)
+    monkeypatch.setattr(embedded, "EMBEDDED_LINGER_S", 60.0)
     before = set(descendants(os.getpid()))
     train = dpex.DpexDataLoader(list(range(10)), distribute_mode=True, batch_size=4, num_workers=1)
     assert train._remote._session.stub is None  # constructed without waiting for the daemons: none contacted yet
@@ -104,7 +104,7 @@ def test_the_loaders_of_a_process_share_one_embedded_cluster_started_in_the_back
     assert [b.tolist() for b in again] == [[0, 1, 2]]  # within the linger: the same cluster again
     assert [p for p in descendants(os.getpid()) if p not in before and p not in started] == []
     again.close()
-    local.stop_embedded()  # as at interpreter exit
+    embedded.stop_embedded()  # as at interpreter exit
     assert pids_alive(started) == []
 
 

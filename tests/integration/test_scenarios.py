@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from dpex import DpexDataLoader
-from dpex.launch import local
+from dpex.launch import embedded
 from dpex.testing import descendants, pids_alive, wait_until
 from dpex.testing.datasets import Squares
 
@@ -78,7 +78,7 @@ def test_bug_dataset_fails_with_a_clear_error(cluster, tmp_path):
 
 def test_deleting_a_loader_mid_epoch_leaves_nothing_behind(monkeypatch):
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": an embedded cluster
-    monkeypatch.setattr(local, "EMBEDDED_LINGER_S", 0.5)  # then it waits that long for another loader
+    monkeypatch.setattr(embedded, "EMBEDDED_LINGER_S", 0.5)  # then it waits that long for another loader
     before = set(descendants(os.getpid()))
     loader = DpexDataLoader(Squares(64), distribute_mode=True, batch_size=4, num_workers=1)
     it = iter(loader)

@@ -506,7 +506,7 @@ def test_unbatched_ddp_consumers_get_distributed_samplers_shares(cluster):
 
 
 def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
-    from dpex.launch import local
+    from dpex.launch import embedded
     monkeypatch.delenv("DPEX_DISPATCHER", raising=False)  # "auto": the embedded cluster, on this machine's cores
     n = len(os.sched_getaffinity(0)) + 1
     said = []
@@ -517,7 +517,7 @@ def test_more_workers_than_cores_warns_as_torchs(monkeypatch):
             loader = cls(list(range(4)), batch_size=2, num_workers=n, **extra)
             assert next(iter(loader)).tolist() == [0, 1]
         said.append([str(w.message) for w in caught if "worker processes in total" in str(w.message)])
-    local.stop_embedded()
+    embedded.stop_embedded()
     assert said[0] == said[1] and said[0]
 
 
