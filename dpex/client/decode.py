@@ -1,4 +1,4 @@
-"""Frame -> batch in the trainer: the Batch header, a same-host worker's
+"""Frame -> batch in the trainer (its header parsed once, by dpex.client.streams): a same-host worker's
 hand-off file mapped in place of the payload (no copy), decompression, and the
 zero-copy decode. Each step raises DpexWireError for bytes that do not decode;
 what to do then (ask again, fail the epoch) is the fetcher's policy."""
@@ -11,11 +11,6 @@ from dpex.wire import decode, parse_frame
 from dpex.wire.compression import decompress
 from dpex.wire.frame import frame_view
 from dpex import shm
-
-
-def header(frame: Any) -> tuple[wpb.Batch, Any]:
-    """The frame's Batch header and its payload (a view of the frame)."""
-    return parse_frame(frame)
 
 
 def mapped(meta: wpb.Batch) -> tuple[wpb.Batch, Any]:

@@ -471,10 +471,9 @@ class EpochFetcher:
                     self._report(got.address, describe(got.error))
             self._restart_stream(got.address)
             return False
-        try:
-            meta, payload = decode.header(got.frame)
-        except DpexWireError as e:
-            return self._corrupt_frame(got.address, None, e)
+        if got.meta is None:  # it did not parse (dpex.client.streams parsed it)
+            return self._corrupt_frame(got.address, None, got.error)
+        meta, payload = got.meta, got.payload
         if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
             drop_file(meta)
             return False  # from an earlier epoch or loader

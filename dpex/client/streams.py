@@ -28,7 +28,9 @@ log = logging.getLogger("dpex.client")
 class Received(NamedTuple):
     address: str
     frame: Any                    # bytes or a buffer (dpex.client.buffers); None: the stream failed
-    error: BaseException | None = None
+    error: BaseException | None = None  # why the stream failed, or (a frame) why it did not parse
+    meta: wpb.Batch | None = None  # the frame's header, parsed once here (None: it did not parse)
+    payload: Any = None            # the frame's payload, a view of it
 
 
 def drop_file(meta: wpb.Batch) -> None:
@@ -109,8 +111,9 @@ class _Stream:
             for frame in self._call:
                 if self._sock is not None:
                     frame = _follow(self._sock, frame, self._pool.read_frame)
-                if self._pool.wanted(frame):
-                    self._results.put(Received(self.address, frame))
+                received = self._pool.wanted(Received(self.address, frame))
+                if received is not None:
+                    self._results.put(received)
             error: BaseException = ConnectionError(f"worker {self.address} closed the stream")
         except grpc.RpcError as e:
             error = e
@@ -155,17 +158,18 @@ class StreamPool:
         with self._lock:
             self._epoch = key
 
-    def wanted(self, frame: Any) -> bool:
-        """Whether a frame is for the epoch being fetched. Others (a left or
-        earlier epoch's) are dropped here, their hand-off files at once."""
+    def wanted(self, received: Received) -> Received | None:
+        """A frame received, with its header parsed, if it is for the epoch being
+        fetched (or does not parse: the fetcher says what is wrong with it).
+        Others (a left or earlier epoch's) are dropped here, their hand-off files at once."""
         try:
-            meta, _ = parse_frame(frame)
-        except DpexWireError:
-            return True  # the fetcher says what is wrong with it
+            meta, payload = parse_frame(received.frame)
+        except DpexWireError as e:
+            return received._replace(error=e)
         if (meta.job_id, meta.consumer_index, meta.epoch) == self._epoch:
-            return True
+            return received._replace(meta=meta, payload=payload)
         drop_file(meta)
-        return False
+        return None
 
     def end_epoch(self, key: tuple[int, int, int]) -> None:
         """The epoch ended or was left: the frames queued for it go now (unless
@@ -183,7 +187,7 @@ class StreamPool:
                 except queue.Empty:
                     break
                 if isinstance(item, Received) and item.frame is not None:
-                    self.wanted(item.frame)
+                    self.wanted(item)
                 else:  # news for the fetchers (who drop another epoch's), a broken stream
                     kept.append(item)
             for item in kept:

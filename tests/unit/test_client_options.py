@@ -8,7 +8,7 @@ from dpex.client import decode
 from dpex.client.options import LoaderOptions
 from dpex.errors import DpexConfigError
 from dpex.proto import worker_pb2 as wpb
-from dpex.wire import encode_parts, frame_parts
+from dpex.wire import encode_parts, frame_parts, parse_frame
 from dpex.wire.compression import compress
 
 
@@ -62,7 +62,7 @@ def frame(batch, compression=""):
 @pytest.mark.parametrize("compression", ["", "lz4", "zstd"])
 def test_a_frame_decodes_to_its_batch(compression):
     batch = {"x": torch.arange(12.0).reshape(3, 4), "y": [1, "a", None]}
-    meta, payload = decode.header(frame(batch, compression))
+    meta, payload = parse_frame(frame(batch, compression))
     assert meta.seq == 3
     out = decode.batch(meta, payload)
     assert torch.equal(out["x"], batch["x"]) and out["y"] == batch["y"]
