@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from dpex.client import checkpoint, job as jobs
 from dpex.client.checkpoint import EpochState, Progress
 from dpex.client.fetcher import EpochFetcher
-from dpex.client.inspect import DatasetSeen
+from dpex.client.seen import DatasetSeen
 from dpex.client.lanes import Lane
 from dpex.client.options import LoaderOptions
 from dpex.client.paced import PacedEpoch

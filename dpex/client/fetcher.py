@@ -25,7 +25,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call, to_dpex_error
 from dpex.client import decode
 from dpex.client.checkpoint import Progress
-from dpex.client.inspect import DatasetSeen
+from dpex.client.seen import DatasetSeen
 from dpex.client.ledger import Ledger
 from dpex.client.router import Router
 from dpex.client.stats import StatsMeter
@@ -328,9 +328,9 @@ class EpochFetcher:
         return self._exit.finished
 
     def __len__(self) -> int:
-        if self._ledger.n:
+        if self._ledger.num_streams:
             raise TypeError("an IterableDataset epoch has no length")
-        return self._ledger.num
+        return self._ledger.num_batches
 
     def __next__(self) -> Any:
         asked_at = time.monotonic()
@@ -484,10 +484,10 @@ class EpochFetcher:
             if ledger.ask_again(seq, got.address):
                 self._router.forget(seq, got.address)
             return False
-        if meta.end_of_stream and ledger.n:
-            ledger.end_stream(*stream_of(seq, ledger.n))
+        if meta.end_of_stream and ledger.num_streams:
+            ledger.end_stream(*stream_of(seq, ledger.num_streams))
             if meta.stream_state:  # its dataset as the epoch left it (a job that keeps its dataset)
-                self.progress.carry(stream_of(seq, ledger.n)[0], meta.stream_state)
+                self.progress.carry(stream_of(seq, ledger.num_streams)[0], meta.stream_state)
             self._control.next_seq = ledger.low
             return True
         if not ledger.is_new(seq):

@@ -20,7 +20,7 @@ class Ledger(Generic[T]):
     never asked for again."""
 
     def __init__(self, num_batches: int, num_streams: int, progress: Progress) -> None:
-        self.num, self.n = num_batches, num_streams
+        self.num_batches, self.num_streams = num_batches, num_streams
         self.progress = progress
         self.requested: dict[int, str] = {}  # seq -> the worker asked for it
         self.retry: set[int] = set()         # to ask again, of whoever owns it then
@@ -48,10 +48,10 @@ class Ledger(Generic[T]):
 
     def total(self) -> int | None:
         """How many batches the epoch has; None while a stream may go on."""
-        if not self.n:
-            return self.num
+        if not self.num_streams:
+            return self.num_batches
         ends = self.progress.ends
-        return sum(ends.values()) if len(ends) == self.n else None
+        return sum(ends.values()) if len(ends) == self.num_streams else None
 
     @property
     def finished(self) -> bool:
@@ -59,9 +59,9 @@ class Ledger(Generic[T]):
 
     def missing(self) -> list[int]:
         """The seqs not received yet (of a stream epoch: those asked for)."""
-        if self.n:
+        if self.num_streams:
             return sorted(set(self.requested) | self.retry)
-        return [s for s in range(self.num) if not self.delivered.passed(s)]
+        return [s for s in range(self.num_batches) if not self.delivered.passed(s)]
 
     # ---- asking -----------------------------------------------------------------
     def asks(self, window: int, group: int, ordered: bool,

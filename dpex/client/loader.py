@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch.utils.data as tud
 
-from dpex.client import checkpoint, inspect, job as jobs
+from dpex.client import checkpoint, job as jobs, seen
 from dpex.client.distributed import current_run
 from dpex.client.epoch import Epochs
 from dpex.client.options import LoaderOptions
@@ -189,7 +189,7 @@ class RemoteDataLoader:
             session.job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
             if not (self.embedded and self._instance is not None):  # else at the first iter()
                 session.connect()
-            dataset_seen = (inspect.in_trainer(dataset) if self._instance is not None else inspect.on_workers(
+            dataset_seen = (seen.in_trainer(dataset) if self._instance is not None else seen.on_workers(
                 session.alive_workers, session.job_id, session.job_key, token, ca, session.first_contact_s,
                 session.target, self.timeout))
             plans = EpochPlans(
@@ -309,7 +309,7 @@ class RemoteDataLoader:
         for name, value in fields.items():
             setattr(job, name, value)
         job.content = jobs.content(self._code)
-        self._epochs.dataset = inspect.in_trainer(self._instance)
+        self._epochs.dataset = seen.in_trainer(self._instance)
         self._epochs.plans.resize(self._epochs.dataset.length)
         if self.job_id is not None:  # else not made yet: connect() makes it of this definition
             self._session.renew_job()

@@ -150,16 +150,12 @@ class DispatcherCore(Journaled):
             upload_id = request.upload_id or secrets.randbits(63) + 1
             upload = self.plan_files.add(upload_id, request.chunk, request.batches,
                                           self.config.split_size_batches, meta)
-            if upload.num_batches > self.config.max_plan_batches:
-                raise DpexConfigError(f"a plan of more than {self.config.max_plan_batches} batches is over "
-                                      "this dispatcher's limit (--max-plan-batches)")
+            self._check_plan_size(upload.num_batches, partial=True)  # not the whole upload first
             if request.more:
                 return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
             plan_file, num_batches, digest = self.plan_files.finish(upload_id)
         content, digest = digest, of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
-        if num_batches > self.config.max_plan_batches:
-            raise DpexConfigError(f"a plan of {num_batches} batches is over this dispatcher's "
-                                  f"limit of {self.config.max_plan_batches} (--max-plan-batches)")
+        self._check_plan_size(num_batches)
         with self.lock:
             job = self.job_of(request, peer, "SubmitPlan")
             if request.consumer_index >= job.definition.num_consumers:
@@ -193,6 +189,12 @@ class DispatcherCore(Journaled):
                             "its splits wait for one (install that torch release on the workers)",
                             plan.sampler.torch_version, extra=fields(job_id=request.job_id, epoch=request.epoch))
             return dpb.SubmitPlanResponse(num_batches=plan.num_batches, num_delivered=plan.num_delivered)
+
+    def _check_plan_size(self, num_batches: int, partial: bool = False) -> None:
+        """A plan over --max-plan-batches is refused (``partial``: the batches uploaded so far)."""
+        if num_batches > self.config.max_plan_batches:
+            raise DpexConfigError(f"a plan of {'at least ' if partial else ''}{num_batches} batches is over this "
+                                  f"dispatcher's limit of {self.config.max_plan_batches} (--max-plan-batches)")
 
     async def sync_consumer(self, request, peer: str):
         self.trusted_only(peer, "syncs trainers")

@@ -17,106 +17,106 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
 
-async def heartbeat(j: Journaled, request: dpb.WorkerHeartbeatRequest, peer: str) -> dpb.WorkerHeartbeatResponse:
+async def heartbeat(core: Journaled, request: dpb.WorkerHeartbeatRequest, peer: str) -> dpb.WorkerHeartbeatResponse:
     """A worker's heartbeat: its load noted, splits chosen for it, and the
     answer given once there is work or something to drop, or at the interval."""
     held = set(request.held_split_ids)
     saturated = frozenset((c.job_id, c.consumer_index) for c in request.saturated)
-    with j.lock:
-        worker = j.state.workers.get(request.worker_id)
+    with core.lock:
+        worker = core.state.workers.get(request.worker_id)
         if worker is None or not worker.alive:
             raise DpexNotFoundError(f"unknown worker {request.worker_id!r}; register again")
-        j.keys.check_worker(worker.worker_id, request.worker_key, peer, "WorkerHeartbeat")
-        first = worker.worker_id not in j.seen.loads  # since it registered, or since we started
-        j.seen.worker(worker.worker_id, request.load)
+        core.keys.check_worker(worker.worker_id, request.worker_key, peer, "WorkerHeartbeat")
+        first = worker.worker_id not in core.seen.loads  # since it registered, or since we started
+        core.seen.worker(worker.worker_id, request.load)
     # Jittered, so that a fleet that started (or reconnected) at once spreads
     # out instead of polling in bursts of every worker at each interval: a
     # worker's first poll over the whole interval, later ones over its last fifth.
     jitter = random.uniform(0.05, 1.0) if first else random.uniform(0.8, 1.0)
-    deadline = time.monotonic() + j.config.heartbeat_interval_s * jitter
+    deadline = time.monotonic() + core.config.heartbeat_interval_s * jitter
     # Every split assigned to the worker that it does not hold yet is sent, so
     # a lost response loses no assignment.
     while True:
-        with j.lock:
-            j.check_serving()
+        with core.lock:
+            core.check_serving()
             if worker.alive:
-                chosen = assignment.choose_splits(j.state, worker.worker_id, request.want_splits, saturated)
+                chosen = assignment.choose_splits(core.state, worker.worker_id, request.want_splits, saturated)
                 if chosen:
-                    j.apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id, split_ids=chosen))
-            release = j.state.releasable(worker.worker_id, list(held))
-            settled = j.waiters.settled.get(worker.worker_id, ())
+                    core.apply(assign_splits=jpb.AssignSplits(worker_id=worker.worker_id, split_ids=chosen))
+            release = core.state.releasable(worker.worker_id, list(held))
+            settled = core.waiters.settled.get(worker.worker_id, ())
             urgent = [s for s in release if s not in settled]  # cancelled or taken away: free them now
             remaining = deadline - time.monotonic()
-            if worker.held - held or urgent or remaining <= 0 or not worker.alive or j.waiters.full:
-                pause = remaining > 0 and j.waiters.full  # no room for its poll
+            if worker.held - held or urgent or remaining <= 0 or not worker.alive or core.waiters.full:
+                pause = remaining > 0 and core.waiters.full  # no room for its poll
                 response = dpb.WorkerHeartbeatResponse(
                     release_split_ids=release, pause=pause,
-                    forget_job_ids=[job_id for job_id in request.job_ids if job_id not in j.state.jobs])
+                    forget_job_ids=[job_id for job_id in request.job_ids if job_id not in core.state.jobs])
                 for split_id in sorted(worker.held - held):
-                    j.describe(j.state.splits[split_id], response.splits.add())
-                j.seen.worker(worker.worker_id)
-                j.heartbeats += 1
-                j.waiters.told(worker.worker_id, held, release)
+                    core.describe(core.state.splits[split_id], response.splits.add())
+                core.seen.worker(worker.worker_id)
+                core.heartbeats += 1
+                core.waiters.told(worker.worker_id, held, release)
                 return response
-            poll = j.waiters.worker(worker.worker_id, request.want_splits > 0)
-        await j.wait(poll, remaining)
+            poll = core.waiters.worker(worker.worker_id, request.want_splits > 0)
+        await core.wait(poll, remaining)
 
 
-async def sync(j: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> dpb.SyncConsumerResponse:
+async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> dpb.SyncConsumerResponse:
     """A trainer's sync: its delivered batches marked, the batch it waits
     for given an owner, and its plan's owners once they change."""
     deadline = time.monotonic() + min(max(request.wait_s, 0.0), 30.0) * random.uniform(0.8, 1.0)  # jittered
-    with j.lock:
-        job = j.job_of(request, peer, "SyncConsumer")
-        j.claim(request, peer, job.definition.name)  # again after a restart of this dispatcher
-        plan = j.state.plan(request.job_id, request.consumer_index, request.epoch)
+    with core.lock:
+        job = core.job_of(request, peer, "SyncConsumer")
+        core.claim(request, peer, job.definition.name)  # again after a restart of this dispatcher
+        plan = core.state.plan(request.job_id, request.consumer_index, request.epoch)
         if plan is None:
-            if j.seen.was_released(request.job_id, request.consumer_index):
+            if core.seen.was_released(request.job_id, request.consumer_index):
                 raise DpexNotFoundError(
                     f"job {request.job_id} consumer {request.consumer_index} epoch {request.epoch} was released: "
-                    f"its trainer had not synced for {j.config.consumer_timeout_s:g}s (the dispatcher's "
+                    f"its trainer had not synced for {core.config.consumer_timeout_s:g}s (the dispatcher's "
                     "--consumer-timeout) and was taken for gone; a trainer stalled that long needs a longer one")
             raise DpexNotFoundError(
                 f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                 f"epoch {request.epoch} (another trainer may have replaced it)")
-        j.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
+        core.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
                         request.batches_per_s)
         if request.delivered_seqs:
-            j.apply(mark_delivered=jpb.MarkDelivered(
+            core.apply(mark_delivered=jpb.MarkDelivered(
                 job_id=request.job_id, consumer_index=request.consumer_index,
                 epoch=request.epoch, seqs=request.delivered_seqs))
         # The batch the consumer waits for must have an owner now, even if
         # every worker is full (of batches the consumer cannot take before it).
-        waited = assignment.owner_for(j.state, plan, request.next_seq)
+        waited = assignment.owner_for(core.state, plan, request.next_seq)
         if waited is not None:
-            j.apply(assign_splits=jpb.AssignSplits(worker_id=waited[0], split_ids=[waited[1]]))
+            core.apply(assign_splits=jpb.AssignSplits(worker_id=waited[0], split_ids=[waited[1]]))
     try:
-        return await _owners(j, request, plan, deadline)
+        return await _owners(core, request, plan, deadline)
     except asyncio.CancelledError:
         # The trainer's connection ended (a dead process, when the server sees it; else its
         # silence frees the consumer after claims.HELD_S), or its loader left the poll: it
         # claims its consumer again with its next call, if it has one.
-        with j.lock:
-            j.claims.gone((request.job_id, request.consumer_index), request.client_id)
+        with core.lock:
+            core.claims.gone((request.job_id, request.consumer_index), request.client_id)
         raise
 
 
-async def _owners(j: Journaled, request: dpb.SyncConsumerRequest, plan: Plan,
+async def _owners(core: Journaled, request: dpb.SyncConsumerRequest, plan: Plan,
                   deadline: float) -> dpb.SyncConsumerResponse:
     """The plan's owners, once they differ from those the trainer knows."""
     while True:
-        with j.lock:
-            j.check_serving()
-            owners = j.state.owners(plan)
+        with core.lock:
+            core.check_serving()
+            owners = core.state.owners(plan)
             digest = hashlib.sha256(repr([(s.split_id, w.worker_id) for s, w in owners]).encode()).digest()[:16]
             remaining = deadline - time.monotonic()
-            if digest != request.owners_digest or remaining <= 0 or j.waiters.full:
-                response = dpb.SyncConsumerResponse(workers_alive=len(j.state.alive_workers()),
+            if digest != request.owners_digest or remaining <= 0 or core.waiters.full:
+                response = dpb.SyncConsumerResponse(workers_alive=len(core.state.alive_workers()),
                                                     owners_digest=digest)
                 for split, worker in owners:
                     response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
                                         num_batches=split.num_batches, worker_id=worker.worker_id,
                                         worker_address=worker.address)
                 return response
-            poll = j.waiters.consumer((request.job_id, request.consumer_index))
-        await j.wait(poll, remaining)
+            poll = core.waiters.consumer((request.job_id, request.consumer_index))
+        await core.wait(poll, remaining)

@@ -13,29 +13,29 @@ from dpex.plan.spec import content_differences
 from dpex.proto import dispatcher_pb2 as dpb
 
 
-def status(j: Journaled) -> dpb.GetStatusResponse:
+def status(core: Journaled) -> dpb.GetStatusResponse:
     """Workers, jobs and counters; ``workers_needed`` is how many workers the
     trainers' measured rates call for (0: no trainer said)."""
     now = time.monotonic()
-    state = j.state
-    with j.lock:
+    state = core.state
+    with core.lock:
         response = dpb.GetStatusResponse(splits_assigned_total=state.splits_assigned_total,
                                          splits_reassigned_total=state.splits_reassigned_total,
-                                         uptime_s=now - j.started,
+                                         uptime_s=now - core.started,
                                          jobs_collected_total=state.jobs_collected_total,
                                          workers_forgotten_total=state.workers_forgotten_total,
-                                         worker_heartbeats_total=j.heartbeats)
+                                         worker_heartbeats_total=core.heartbeats)
         response.versions.CopyFrom(version.versions())
-        if j.store is not None:
-            response.journal_write_errors_total, response.journal_failing = j.store.write_errors, j.store.failing
-        response.refused_calls_total.update(j.keys.refusals.counts + refusals.counts)  # by keys, by token
+        if core.store is not None:
+            response.journal_write_errors_total, response.journal_failing = core.store.write_errors, core.store.failing
+        response.refused_calls_total.update(core.keys.refusals.counts + refusals.counts)  # by keys, by token
         for w in state.workers.values():
             response.workers.add(worker_id=w.worker_id, address=w.address,
                                  state="alive" if w.alive else "left" if w.left else "lost",
                                  splits_held=len(w.held),
-                                 seconds_since_heartbeat=j.seen.since_heartbeat(w.worker_id),
+                                 seconds_since_heartbeat=core.seen.since_heartbeat(w.worker_id),
                                  versions=w.versions,
-                                 load=j.seen.loads.get(w.worker_id) if w.alive else None)
+                                 load=core.seen.loads.get(w.worker_id) if w.alive else None)
         assigned = {job_id: 0 for job_id in state.jobs}
         for split in state.splits.values():
             if split.worker_id is not None and split.job_id in assigned:
@@ -50,15 +50,15 @@ def status(j: Journaled) -> dpb.GetStatusResponse:
                               consumers_active=sum(state.has_live_plan(job.job_id, c) for c in job.plans),
                               epochs=[job.epochs[c] for c in sorted(job.epochs)],
                               state=state.job_state(job.job_id),
-                              workers_needed=j.seen.workers_needed(job.job_id),
+                              workers_needed=core.seen.workers_needed(job.job_id),
                               shares=(job.share_digest or b"").hex()[:8],
                               sharing=sharing(job, state.jobs.values()))
     alive = sum(w.state == "alive" for w in response.workers)
     extra = [max(0, job.workers_needed - alive) for job in response.jobs if job.workers_needed]
     response.workers_needed = alive + sum(extra) if extra else 0
-    with j.lock:
-        if j.scaled is not None:
-            response.workers_wanted, response.scaling_reason = j.scaled.target, j.scaled.reason
+    with core.lock:
+        if core.scaled is not None:
+            response.workers_wanted, response.scaling_reason = core.scaled.target, core.scaled.reason
     return response
 
 
