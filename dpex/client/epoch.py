@@ -3,7 +3,8 @@
 epoch's plan submitted (its job made again if the dispatcher collected it)
 and its fetcher built, pinned where the loader pins. What an epoch's state
 dict holds is theirs (torchdata's nodes each own their ``get_state``);
-the loader's other settings are the loader's."""
+the loader's other settings are the loader's.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import logging

@@ -33,6 +33,37 @@ from dpex.client.streams import Received, StreamPool, drop_file
 
 log = logging.getLogger("dpex.client")
 
+# Note [A batch's trip]
+# Cited from each room it passes (as torch's dataloader.py keeps its notes in one place).
+#  1. The trainer: iter(loader) begins an epoch (client/epoch.py); at the first ask it
+#     submits the epoch's plan (SubmitPlan, client/job.py), seeds and samplers only.
+#  2. The dispatcher (dispatcher/core.py) journals the plan, cut into splits, and hands
+#     splits to workers in their heartbeats' answers (dispatcher/polls.py, assignment.py).
+#  3. A worker's agent (worker/agent.py) gives each split to the scheduler, which makes it a
+#     runner (worker/runners.py); a map split's indices are drawn off its lock
+#     (worker/planner.py); picking.py says which batch next; a batch process makes it
+#     (worker/runtime.py: dataset, collate_fn, the frame), in place in /dev/shm when large.
+#  4. This fetcher's control thread learns each split's owner (SyncConsumer) and the
+#     router says whom to ask; the streams (client/streams.py) send a credit per batch on
+#     the worker's Fetch stream (worker/service.py); the frame comes back in the gRPC
+#     message, on a data socket, or as a /dev/shm path; streams.py parses its header once.
+#  5. The ledger (client/ledger.py) puts it in plan order and drops a duplicate;
+#     decode.py makes the batch; the loop gets it; its seq is acked with the next sync,
+#     and the dispatcher marks it delivered: a batch lost on the way is asked for again,
+#     one delivered is never given twice.
+#
+# Note [Leaving an epoch]
+# An epoch left before its end (a break, a peek's iterator dropped, a new iter() on the
+# same lane, close()): _Exit, once, whoever comes first (close() or the reaper thread for
+# an iterator collected): the control thread stops; streams.end_epoch drops the frames
+# queued for it and their hand-off files (never the next epoch's news); ReleaseConsumer
+# names the epoch (client/session.py releaser). The dispatcher (core.release_consumer)
+# journals the release unless a newer epoch is planned; its splits are released in the
+# workers' next heartbeats (agent -> scheduler.release: runners closed, a stream's
+# process stopped). A trainer that vanishes instead: its Fetch streams close (the worker's
+# scheduler.cancel frees that consumer's ready batches at once) and the dispatcher's
+# --consumer-timeout releases it.
+
 _WAIT_LOG_S = 30.0
 _MAX_CORRUPT = 3         # corrupt frames from one worker in an epoch before the epoch fails
 

@@ -1,6 +1,7 @@
 """A loader's job at the dispatcher: its definition (settings and the code
 pickled for the workers), its name when DDP ranks share it, and the calls
-that make it, submit an epoch's plan and release a consumer of it."""
+that make it, submit an epoch's plan and release a consumer of it.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import hashlib

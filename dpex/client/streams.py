@@ -2,6 +2,7 @@
 
 Requests go out through a queue; a receiver thread per stream puts every
 frame (or the stream's failure) on the loader's results queue.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py.
 """
 from __future__ import annotations
 

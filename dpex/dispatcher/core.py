@@ -4,7 +4,8 @@ the long polls are dpex.dispatcher.polls, the reaper dpex.dispatcher.reaper.
 Protos in, protos out, DpexErrors raised; ``peer`` is the caller's address
 as gRPC names it (``ipv4:127.0.0.1:5555``). dpex.dispatcher.service is the
 gRPC table in front of it, as tf.data service's grpc_dispatcher_impl is
-before dispatcher_impl. No data plane work here."""
+before dispatcher_impl. No data plane work here.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
-"""The worker's side of the control plane: register, heartbeat, take splits."""
+"""The worker's side of the control plane: register, heartbeat, take splits.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import functools

@@ -2,7 +2,8 @@
 dataset once from the job file (a few jobs cached), becomes that job's worker
 as torch's DataLoader makes its workers (seeds, WorkerInfo, worker_init_fn),
 and turns a task into a complete ``Batch`` frame: dataset[i] -> collate ->
-encode, with a payload or an error. The daemon side is dpex.worker.pool."""
+encode, with a payload or an error. The daemon side is dpex.worker.pool.
+See Note [A batch's trip] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Runs the worker's pool on the splits it holds (one runner each,
 dpex.worker.runners), making next the batch dpex.worker.picking chooses.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py.
 
 Batches a trainer has requested come first (they are what it waits for);
 then batches made ahead of requests, each consumer up to ``buffer_batches``

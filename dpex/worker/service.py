@@ -1,5 +1,6 @@
 """The Worker gRPC service: a trainer's Fetch stream sends one request per
-batch it wants (its credits) and receives the frames as they are ready."""
+batch it wants (its credits) and receives the frames as they are ready.
+See Note [A batch's trip] and Note [Leaving an epoch] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
 import asyncio
