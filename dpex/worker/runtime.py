@@ -6,12 +6,13 @@ encode, with a payload or an error. The daemon side is dpex.worker.pool.
 See Note [A batch's trip] in dpex/client/fetcher.py."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import traceback
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from dpex.dataset import describe_dataset
 from dpex import errors, seeding, torch_private
@@ -185,7 +186,7 @@ class BatchProcess:
             self.slabs = Slabs(self.handoff_dir, self.count)
         return self.slabs.claim(f"{os.getpid()}-s{self.produced + 1}", self.arena.size)
 
-    def _in_place(self, slab: Any, meta: Any, batch: Any, clock: "StageClock") -> Handoff | None:
+    def _in_place(self, slab: Any, stages: Stages, batch: Any) -> Handoff | None:
         """The frame of a batch stacked into ``slab``, its head written before its
         data; None where it cannot be (the batch is then copied into a file)."""
         import functools
@@ -195,8 +196,7 @@ class BatchProcess:
         if self.arena.overflowed:
             return None
         head, copies, size = encode_placed(batch, functools.partial(self.slabs.offset_of, slab), self.arena.size)
-        clock.rest(meta.stages)
-        serialized = meta.SerializeToString()
+        serialized = stages.header().SerializeToString()
         return self.slabs.finish(slab, frame_head(serialized, head, size), copies, size, serialized)
 
     def produce(self, task: Task) -> bytes | Handoff:
@@ -205,47 +205,44 @@ class BatchProcess:
         from dpex.proto import worker_pb2 as wpb
         from dpex.wire import encode_parts, frame_parts
         from dpex.wire.compression import compress
-        meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
-                         epoch=task.epoch, seq=task.seq)
-        stage, index, slab = "build", -1, None
-        clock = StageClock()
+        stages = Stages(wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
+                                  epoch=task.epoch, seq=task.seq), "build")
+        meta, index, slab = stages.meta, -1, None
         try:
             job = self.load_job(task.job_id, task.job_path)
             meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
-            stage = "worker_init_fn"
+            stages.stage = "worker_init_fn"
             self._enter(task.job_id, task.epoch, task.base_seed, job)
             # What torch's map-style fetcher reads: one element without auto-batching
             # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
-            stage, dataset = "getitem", job.dataset
+            dataset = job.dataset
             places = task.places if job.keyed else ()
-            clock.start()
-            if job.unbatched:
-                index = -1 if task.whole else task.indices[0]
-                self._reading(index)
-                self._seed_sample(task, places, 0)
-                samples = dataset[list(task.indices)] if task.whole else self._get(job, task, index)
-                self._reading(-1)
-            elif getattr(dataset, "__getitems__", None) and not job.sample_cache:
-                self._seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
-                samples = dataset.__getitems__(list(task.indices))
-            else:
-                samples = []
-                for i, index in enumerate(task.indices):
+            with stages.timed("getitem", "dataset"):
+                if job.unbatched:
+                    index = -1 if task.whole else task.indices[0]
                     self._reading(index)
-                    self._seed_sample(task, places, i)
-                    samples.append(self._get(job, task, index))
-                self._reading(-1)
-            clock.stop(meta.stages, "dataset")
-            stage, index = "collate", -1
+                    self._seed_sample(task, places, 0)
+                    samples = dataset[list(task.indices)] if task.whole else self._get(job, task, index)
+                    self._reading(-1)
+                elif getattr(dataset, "__getitems__", None) and not job.sample_cache:
+                    self._seed_sample(task, places, 0)  # one call for the batch: keyed by its first sample
+                    samples = dataset.__getitems__(list(task.indices))
+                else:
+                    samples = []
+                    for i, index in enumerate(task.indices):
+                        self._reading(index)
+                        self._seed_sample(task, places, i)
+                        samples.append(self._get(job, task, index))
+                    self._reading(-1)
+            stages.stage, index = "collate", -1
             if places:
                 seeding.seed_globals(seeding.for_collate(task.base_seed, places[0]), self.contexts[self.current].users)
             slab = self._claim_slab(job)
-            clock.start()
-            batch = self.collate(job, samples, slab)
-            clock.stop(meta.stages, "collate")
+            with stages.timed("collate", "collate"):
+                batch = self.collate(job, samples, slab)
             seeding.clear()
-            stage = "encode"
-            done = self._in_place(slab, meta, batch, clock) if slab is not None else None
+            stages.stage = "encode"
+            done = self._in_place(slab, stages, batch) if slab is not None else None
             if done is not None:
                 self.produced += 1
                 return done
@@ -254,16 +251,15 @@ class BatchProcess:
                 meta.raw_size = sum(memoryview(p).nbytes for p in parts)
                 meta.compression = job.compression
                 parts = [compress(job.compression, parts)]
-            clock.rest(meta.stages)
+            parts = frame_parts(stages.header(), parts)
         except Exception as e:
             seeding.clear()
             if slab is not None:
                 self.slabs.release(slab)
-            meta.error.CopyFrom(self.remote_error(e, stage, index))
-            return meta.SerializeToString()
+            return stages.failed(self.remote_error(e, stages.stage, index))
         self.produced += 1
         frame = shm.frame(self.handoff_dir, self.handoff_min_bytes, f"{os.getpid()}-{self.produced}",
-                          frame_parts(meta, parts), self.count)
+                          parts, self.count)
         if slab is not None:  # stacked into, then copied: a spare again
             self.slabs.release(slab)
         return frame
@@ -296,26 +292,40 @@ class BatchProcess:
             return wpb.InspectResponse(length=-1, error=self.remote_error(e, "build")).SerializeToString()
 
 
-class StageClock:
-    """Times a batch's stages in its process (dpex.v1.StageTimes): wall and
-    the process's CPU of each stage timed, the rest of the batch's wall Dpex's."""
+class Stages:
+    """A batch's way through its process, the one stage machine of produce()
+    and of a stream's batches (dpex.worker.stream): the stage it is in (an
+    exception raised is that stage's), the wall and CPU time of the stages
+    timed (the dataset's code, collate_fn), the rest of its wall Dpex's
+    (dpex.v1.StageTimes), all in its header."""
 
-    def __init__(self) -> None:
+    def __init__(self, meta: Any, stage: str) -> None:
+        self.meta, self.stage = meta, stage
         self._begun = time.perf_counter()
         self._timed = 0.0
-        self._at = (0.0, 0.0)
 
-    def start(self) -> None:
-        self._at = (time.perf_counter(), time.process_time())
-
-    def stop(self, stages: Any, name: str) -> None:
-        wall, cpu = time.perf_counter() - self._at[0], time.process_time() - self._at[1]
-        setattr(stages, f"{name}_s", wall)
-        setattr(stages, f"{name}_cpu_s", cpu)
+    @contextlib.contextmanager
+    def timed(self, stage: str, name: str) -> Iterator[None]:
+        """Runs stage ``stage``, its time kept as ``name``'s (``dataset``, ``collate``)."""
+        self.stage = stage
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        setattr(self.meta.stages, f"{name}_s", wall)
+        setattr(self.meta.stages, f"{name}_cpu_s", cpu)
         self._timed += wall
 
-    def rest(self, stages: Any) -> None:
-        stages.dpex_s = max(0.0, time.perf_counter() - self._begun - self._timed)
+    def header(self) -> Any:
+        """The header, its times complete: the frame is made now."""
+        self.meta.stages.dpex_s = max(0.0, time.perf_counter() - self._begun - self._timed)
+        return self.meta
+
+    def failed(self, error: Any) -> bytes:
+        """The frame of the batch that failed with ``error`` (a RemoteError), in the stage it was in
+        (without times: a failed batch's are not a made one's)."""
+        self.meta.ClearField("stages")
+        self.meta.error.CopyFrom(error)
+        return self.meta.SerializeToString()
 
 
 def _sample_digest(job: Any) -> bytes:

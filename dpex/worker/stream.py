@@ -120,40 +120,37 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
 
 def _next_frame(job: Any, samples: Any, stateful: tuple[bool, bool], split: dict, j: int) -> bytes | None:
     """Batch ``j`` of the stream as a frame, or its error's; None at the stream's end."""
-    stage = "iterate"
-    times, clock = wpb.StageTimes(), runtime.StageClock()
+    stages = runtime.Stages(meta(split, j), "iterate")
     try:
-        clock.start()
-        if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
-            batch = next(samples, _END)
-            if batch is _END:
-                return None
-        else:
-            # next() on the iterator, as torch's fetcher: not islice, whose iter() would restart a
-            # dataset that is its own iterator (and resets itself in __iter__).
-            batch = []
-            while len(batch) < job.batch_size and (item := next(samples, _END)) is not _END:
-                batch.append(item)
-            if not batch or (job.drop_last and len(batch) < job.batch_size):
-                return None
-        clock.stop(times, "dataset")  # the iterator's next(): the dataset's own code
-        stage = "state_dict"  # a stream without one is resumed by running it again from its start
+        with stages.timed("iterate", "dataset"):  # the iterator's next(): the dataset's own code
+            if job.unbatched:  # batch_size=None: each item is a batch, through collate_fn alone
+                batch = next(samples, _END)
+                if batch is _END:
+                    return None
+            else:
+                # next() on the iterator, as torch's fetcher: not islice, whose iter() would restart a
+                # dataset that is its own iterator (and resets itself in __iter__).
+                batch = []
+                while len(batch) < job.batch_size and (item := next(samples, _END)) is not _END:
+                    batch.append(item)
+                if not batch or (job.drop_last and len(batch) < job.batch_size):
+                    return None
+        stages.stage = "state_dict"  # a stream without one is resumed by running it again from its start
         states = (job.dataset.state_dict() if stateful[0] else None,
                   samples.state_dict() if stateful[1] else None)
-        stage = "collate"
-        clock.start()
-        collated = runtime.collate(job, batch)
-        clock.stop(times, "collate")
+        with stages.timed("collate", "collate"):
+            collated = runtime.collate(job, batch)
         state = b""
         if any(stateful):  # the generators as collate_fn left them: where the next batch draws from
             state = cloudpickle.dumps(_Resumable(states[0], seeding.global_states() if job.keyed else None,
                                                  states[1]))
-        stage = "encode"
+        stages.stage = "encode"
         parts = wire.encode_parts(collated)
-        clock.rest(times)
-        return b"".join(frame_parts(meta(split, j, stream_state=state, stages=times), parts))
+        stages.meta.stream_state = state
+        return b"".join(frame_parts(stages.header(), parts))
     except Exception as e:
-        return meta(split, j, error=runtime.remote_error(e, stage, process=split["stream"])).SerializeToString()
+        return stages.failed(runtime.remote_error(e, stages.stage, process=split["stream"]))
+
 
 def _replica(dataset: Any) -> bytes:
     """The dataset, pickled for the next epoch; empty where it does not

@@ -117,3 +117,16 @@ def test_a_batch_says_where_its_process_spent_its_time(tmp_path):
     st = meta.stages
     assert st.collate_cpu_s >= 0.05 and st.collate_s >= st.collate_cpu_s * 0.9 and st.dataset_s < st.collate_s
     assert batch["y"].tolist() == [0, 1]
+
+
+def test_the_stage_machine_names_the_stage_that_raised_and_times_only_batches_made():
+    # One for produce() and a stream's batches (issue 57 item 2).
+    stages = runtime.Stages(wpb.Batch(seq=3), "build")
+    with stages.timed("getitem", "dataset"):
+        pass
+    with pytest.raises(ValueError):
+        with stages.timed("collate", "collate"):
+            raise ValueError("in collate_fn")
+    assert stages.stage == "collate" and stages.meta.stages.dataset_s >= 0
+    failed = wpb.Batch.FromString(stages.failed(wpb.RemoteError(type="ValueError", stage=stages.stage)))
+    assert failed.seq == 3 and failed.error.stage == "collate" and not failed.HasField("stages")
