@@ -6,8 +6,8 @@ through ``state_dict``/``load_state_dict`` into a new loader, through JSON
 or not) over random configurations (map-style or iterable, ``shuffle``, the
 user's generator or torch's global RNG, ``drop_last``, ``batch_size``
 including None, samplers and batch samplers, ``num_workers`` 0-3,
-``persistent_workers``, ``in_order``, ``collate_fn``, ``cache``, ``share``)
-run through ``torch.utils.data.DataLoader`` and ``DpexDataLoader`` side by
+``persistent_workers``, ``in_order``, ``collate_fn``, ``worker_init_fn``,
+``cache``, ``share``) run through ``torch.utils.data.DataLoader`` and ``DpexDataLoader`` side by
 side, as a hypothesis state machine: every output, every exception and
 every random generator's state after each step must be torch's. A failing
 program is shrunk by hypothesis; keep it as a regression test.
@@ -37,28 +37,36 @@ SLOTS = 3  # iterators a program holds at once
 
 
 class Squares(Dataset):
-    """Item i: its index and a tensor of it and its square."""
+    """Item i: its index and a tensor of it and its square (plus the offset a
+    worker_init_fn set on the worker's copy of the dataset, 0 without one)."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
+        self.n, self.offset = n, 0
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        return {"i": i, "t": torch.tensor([i, i * i])}
+        return {"i": i, "t": torch.tensor([i, i * i + self.offset])}
 
 
 class Shards(IterableDataset):
-    """Shards itself by get_worker_info(), as torch's docs teach."""
+    """Shards itself by get_worker_info(), as torch's docs teach (its items
+    plus the offset a worker_init_fn set, as Squares)."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
+        self.n, self.offset = n, 0
 
     def __iter__(self) -> Any:
         info = get_worker_info()
         k, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return iter(range(k, self.n, workers))
+        return iter(range(k + self.offset, self.n + self.offset, workers))
+
+
+def init_worker(worker_id: int) -> None:
+    """A worker_init_fn of the user's, as torch's docs teach: it sets up the worker's copy of the
+    dataset (whose items then say that it ran, in the process that made them, and only with workers)."""
+    get_worker_info().dataset.offset = 1000
 
 
 def as_tuple(batch: list) -> tuple:
@@ -82,11 +90,13 @@ class Config:
     collate: bool       # a collate_fn of the user's
     cache: bool         # cache="memory"
     share: bool
+    init: bool = False  # a worker_init_fn of the user's (the regression programs kept before it had none)
 
     def loader_args(self, generator: Any) -> dict[str, Any]:
         """The arguments both loaders are built with (the same objects' equals)."""
         args: dict[str, Any] = dict(num_workers=self.num_workers, persistent_workers=self.persistent,
-                                    in_order=self.in_order, collate_fn=as_tuple if self.collate else None)
+                                    in_order=self.in_order, collate_fn=as_tuple if self.collate else None,
+                                    worker_init_fn=init_worker if self.init else None)
         if self.iterable:
             return dict(args, batch_size=self.batch_size, drop_last=self.drop_last)
         gen = generator if self.rng == "generator" else None
@@ -118,7 +128,7 @@ def configs(draw: Any) -> Config:
                   persistent=num_workers > 0 and draw(st.booleans()),
                   # out of order, torch's workers race: one worker's order is the only one to compare
                   in_order=num_workers > 1 or draw(st.booleans()),
-                  collate=draw(st.booleans()), cache=not iterable and draw(st.booleans()),
+                  collate=draw(st.booleans()), init=draw(st.booleans()), cache=not iterable and draw(st.booleans()),
                   share=draw(st.booleans()))
 
 
