@@ -248,7 +248,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = (e.details() if hasattr(e, "details") else None) or ""
-            if code == grpc.StatusCode.CANCELLED and stop is not None and stop() or _CLOSED in details:
+            if (code == grpc.StatusCode.CANCELLED and stop is not None and stop()) or _CLOSED in details:
                 # Asked for, or our channel was closed under the call (its owner is closing): no outage.
                 raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
             # CANCELLED that we did not ask for: the server cut the call short (it was stopping), or our

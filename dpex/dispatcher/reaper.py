@@ -61,12 +61,12 @@ class Reaper:
                                 "workers drop what they hold for it)", config.consumer_timeout_s,
                                 extra=fields(job_id=job_id, consumer=consumer))
                     core.apply(release_consumer=jpb.ReleaseConsumer(job_id=job_id, consumer_index=consumer,
-                                                                 closed=True))
+                                                                    closed=True))
                     core.seen.released_silent(job_id, consumer)
             self._collect()
             self._scale()
             core.plan_files.keep({p.plan_file for job in core.state.jobs.values()
-                               for p in job.plans.values() if p.plan_file and not p.finished})
+                                  for p in job.plans.values() if p.plan_file and not p.finished})
 
     def _scale(self) -> None:
         """The policy's look at the trainers' and workers' signals; the caller holds the lock."""

@@ -121,19 +121,22 @@ class _Cluster:
         cluster fails, with torch's words, and its loaders raise them."""
         cluster = self._cluster
         assert cluster is not None
+        # A daemon found gone while the cluster stops did not die: asked after seeing it gone (at
+        # exit the cluster's finalizer may stop the daemons before stop_embedded() stops this thread).
+        stopping = lambda: cluster.closed or self._stop.is_set()  # noqa: E731
         dispatcher = cluster.dispatcher.process
-        dead = dispatcher.poll() is not None or any(w.process.poll() is not None for w in cluster.workers)
-        if not dead or cluster.closed or self._stop.is_set():  # stopping (at exit, its finalizer may come first)
-            return
         if dispatcher.poll() is not None:
-            self._error = DpexWorkerError(
-                f"the embedded Dpex dispatcher {exit_reason(dispatcher.pid, dispatcher.returncode)} "
-                f"Its log:\n{cluster.dispatcher.log_tail()}", stage="process")
+            if not stopping():
+                self._error = DpexWorkerError(
+                    f"the embedded Dpex dispatcher {exit_reason(dispatcher.pid, dispatcher.returncode)} "
+                    f"Its log:\n{cluster.dispatcher.log_tail()}", stage="process")
             return
         for index, worker in enumerate(list(cluster.workers)):
             code = worker.process.poll()
             if code is None:
                 continue
+            if stopping():
+                return
             what = f"DataLoader worker {exit_reason(worker.process.pid, code)}"
             if self._respawns >= MAX_RESPAWNS:
                 self._error = DpexWorkerError(

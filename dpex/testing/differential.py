@@ -7,10 +7,11 @@ or not) over random configurations (map-style or iterable, ``shuffle``, the
 user's generator or torch's global RNG, ``drop_last``, ``batch_size``
 including None, samplers and batch samplers, ``num_workers`` 0-3,
 ``persistent_workers``, ``in_order``, ``collate_fn``, ``worker_init_fn``,
-``cache``, ``share``) run through ``torch.utils.data.DataLoader`` and ``DpexDataLoader`` side by
-side, as a hypothesis state machine: every output, every exception and
-every random generator's state after each step must be torch's. A failing
-program is shrunk by hypothesis; keep it as a regression test.
+``cache``, ``share``) run through ``torch.utils.data.DataLoader`` and
+``DpexDataLoader`` side by side, as a hypothesis state machine: every
+output, every exception and every random generator's state after each step
+must be torch's. A failing program is shrunk by hypothesis; keep it as a
+regression test.
 
 A checkpoint has no counterpart in torch's DataLoader: there, the oracle is
 the loader that was not interrupted (torch's goes on as it was).
