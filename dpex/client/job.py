@@ -13,6 +13,7 @@ from typing import Any, Callable
 from dpex.client.distributed import Run, shared_job_name
 from dpex.client.options import LoaderOptions
 from dpex.config import CLAIM_HELD_S
+from dpex import dataset
 from dpex.dataset import DatasetSpec
 from dpex.errors import CONSUMER_IN_USE, DpexConfigError, DpexConflictError, DpexNotFoundError, warn
 from dpex.plan.spec import chunks
@@ -28,15 +29,7 @@ Call = Callable[[Any, Any], Any]  # (stub method, request) -> response, with the
 
 _IN_FLIGHT: set = set()  # calls not waited for; a dropped gRPC future would cancel its call
 
-
-class Constant:
-    """A picklable callable returning a dataset instance shipped by value."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __call__(self) -> Any:
-        return self.dataset
+Constant = dataset.Constant  # where pickles made before it moved to dpex.dataset find it
 
 
 def shipped(obj: Any, what: str) -> bytes:

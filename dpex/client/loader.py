@@ -22,7 +22,7 @@ from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling
 from dpex.client.session import Session
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.auth import load_ca, load_token
-from dpex.dataset import DatasetSpec
+from dpex.dataset import Constant, DatasetSpec
 from dpex.launch.head import resolve
 from dpex.errors import DpexConfigError
 from dpex.proto import dispatcher_pb2 as dpb
@@ -161,7 +161,7 @@ class RemoteDataLoader:
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
                        worker_init_fn)
         self._instance = None if isinstance(dataset, DatasetSpec) else dataset
-        spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(jobs.Constant(dataset))
+        spec = dataset if isinstance(dataset, DatasetSpec) else DatasetSpec(Constant(dataset))
         self.num_consumers, self.consumer_index = opts.num_consumers, opts.consumer_index
         self.ordered, self.timeout = opts.ordered, opts.timeout_s
         self._meter = StatsMeter()

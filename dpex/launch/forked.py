@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 from dpex import stdlib
 
@@ -88,7 +87,8 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     # The trainer's objects are never collected here: none of its finalizers run
     # in this copy (it would close the trainer's things), and its pages stay shared.
     gc.freeze()
-    _leave_trainers_main()
+    from dpex.worker.daemon import leave_main
+    leave_main()  # the trainer's script
     os.setsid()  # as the embedded dispatcher: a Ctrl-C to the trainer's process group is the trainer's
     stdlib.forget_forkserver()  # the trainer's is not this process's child: its streams start their own
     for sig in signal.valid_signals():  # the trainer's handlers are not ours
@@ -129,15 +129,6 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
         raise
     _watch(trainer)
     daemon.run(config, pool, ready)
-
-
-def _leave_trainers_main() -> None:
-    """The trainer's ``__main__`` is its script: multiprocessing would run it
-    again in every process that this one starts by forkserver or spawn (a
-    stream's, a batch process started again), and a script without a main
-    guard would build its loader there, over and over. What the worker
-    needs of the script comes by value, in its jobs."""
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = types.ModuleType("__main__")
 
 
 def _read_address(fd: int) -> str:

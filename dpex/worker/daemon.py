@@ -3,9 +3,23 @@ that is safe, then the server, served until SIGTERM or SIGINT. ``dpex-worker``
 and the embedded worker forked from a trainer (dpex.launch.forked) both run it."""
 from __future__ import annotations
 
+import sys
+import types
+
 from dpex.config import WorkerConfig
 from dpex.daemon import can_fork, serve_until_signalled
 from dpex.worker.pool import BatchPool
+
+
+def leave_main() -> None:
+    """This process's ``__main__`` (``dpex-worker``'s own module, or the
+    trainer's script for the embedded worker) would be run again by
+    multiprocessing in every process the daemon starts by forkserver or
+    spawn (each stream's, a batch process started again): each would pay
+    its imports (0.15 s a stream for dpex-worker's), and a script without
+    a main guard would build its loader there. What a worker needs of a
+    script comes by value, in its jobs."""
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = types.ModuleType("__main__")
 
 
 def forked_pool(config: WorkerConfig) -> BatchPool | None:
@@ -14,6 +28,7 @@ def forked_pool(config: WorkerConfig) -> BatchPool | None:
     torch's samplers): none of them imports torch again, as torch's
     DataLoader forks its workers. None where forking is not safe here: the
     server then spawns them."""
+    leave_main()
     from dpex.worker.server import check_code_source, check_data_paths
     check_code_source(config)  # a worker that would refuse to start forks nothing
     check_data_paths(config.data_paths)

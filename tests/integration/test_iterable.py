@@ -1,6 +1,7 @@
 """IterableDataset on Dpex workers: each stream is torch's worker k of N,
 batches come round-robin as from torch's workers, with no duplicates."""
 import itertools
+import sys
 
 import pytest
 import torch
@@ -69,3 +70,19 @@ def test_an_error_while_iterating(cluster):
 def test_torchs_argument_checks(cluster, arg):
     with pytest.raises(ValueError, match="DataLoader with IterableDataset: expected unspecified"):
         DpexDataLoader(Counting(10), distribute_mode=True, head_address=cluster.address, **arg)
+
+
+
+def test_a_streams_process_starts_without_the_workers_main_or_grpc(cluster):
+    """A stream's process is forked from the worker's forkserver each epoch: it neither re-runs
+    dpex-worker's main module (multiprocessing would, and import its server) nor imports the client's
+    gRPC to unpickle the job's dataset (each cost a quarter of a second per epoch, issue 55's tester)."""
+    class WhatTheStreamImported(torch.utils.data.IterableDataset):  # here: pickled by value, as a script's
+        def __iter__(self):
+            main = sys.modules.get("__mp_main__")
+            yield {"grpc": "grpc" in sys.modules, "main": str(getattr(main, "__file__", None)),
+                   "main_spec": str(getattr(main, "__spec__", None))}
+
+    with DpexDataLoader(WhatTheStreamImported(), distribute_mode=True, head_address=cluster.address,
+                        batch_size=None, num_workers=1) as dl:
+        assert list(dl) == [{"grpc": False, "main": "None", "main_spec": "None"}]

@@ -9,7 +9,7 @@ import pytest
 from dpex.client import job as jobs
 from dpex.client.distributed import Run
 from dpex.client.options import LoaderOptions
-from dpex.dataset import DatasetSpec
+from dpex.dataset import Constant, DatasetSpec
 from dpex.errors import CONSUMER_IN_USE, DpexConfigError, DpexConflictError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.wire import callables
@@ -28,11 +28,11 @@ def test_a_spec_and_its_functions_go_as_separate_pickles():
 
 
 def test_an_instance_goes_with_its_functions_in_one_pickle_and_digests_name_them():
-    fields = jobs.code_fields(DatasetSpec(jobs.Constant([1, 2])), double, None, bundled=True)
+    fields = jobs.code_fields(DatasetSpec(Constant([1, 2])), double, None, bundled=True)
     spec, collate, init = callables.loads(fields["dataset"])
     assert spec.build() == [1, 2] and collate(2) == 4 and init is None
     assert fields["bundled"] and len(fields["collate"]) == 32 and fields["worker_init_fn"] == b""
-    assert fields == jobs.code_fields(DatasetSpec(jobs.Constant([1, 2])), double, None, bundled=True)
+    assert fields == jobs.code_fields(DatasetSpec(Constant([1, 2])), double, None, bundled=True)
 
 
 def test_what_cannot_travel_is_refused_with_the_reason():
@@ -51,7 +51,7 @@ def test_the_definition_leaves_the_code_out_so_ranks_agree():
 
 def test_a_large_instance_is_worth_a_warning():
     with pytest.warns(UserWarning, match="pickles to 5.0 MB"):
-        jobs.job_def(LoaderOptions(), (DatasetSpec(jobs.Constant(b"x" * (5 << 20))), None, None), bundled=True,
+        jobs.job_def(LoaderOptions(), (DatasetSpec(Constant(b"x" * (5 << 20))), None, None), bundled=True,
                      unbatched=False)
 
 
