@@ -55,3 +55,15 @@ def shutdown_workers(loader: Any, iterators: Any = ()) -> None:
         stop = getattr(iterator, "_shutdown_workers", None)
         if stop is not None:
             stop()
+
+
+def set_worker_exit_wait(seconds: float) -> float:
+    """How long this process's DataLoaders wait for each worker to exit
+    before killing it (``_utils.MP_STATUS_CHECK_INTERVAL``, 5 s; also how
+    often a waiting loader checks that its workers live); the old value.
+    Workers that raised in an IterableDataset wait the whole time (torch
+    2.13): a harness that drops many such iterators (the differential
+    tester) pays 5 s per worker each time."""
+    from torch.utils.data import _utils
+    old, _utils.MP_STATUS_CHECK_INTERVAL = _utils.MP_STATUS_CHECK_INTERVAL, seconds
+    return old

@@ -55,10 +55,12 @@ def oracle_context() -> Any:
     that runs gRPC threads (fork could copy one mid-call): a forkserver that has
     imported torch, so that each of torch's workers is a fork of it rather than
     a new interpreter importing torch again, as spawn's are. Its workers unpickle
-    the dataset as spawn's do."""
+    the dataset as spawn's do; the test datasets' modules are imported once, in
+    the forkserver, not in each worker (7x faster for the differential tester's
+    programs; it takes effect only if the forkserver has not started yet)."""
     import multiprocessing
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
+    context.set_forkserver_preload(["torch", "dpex.testing.datasets", "dpex.testing.differential"])
     return context
 
 

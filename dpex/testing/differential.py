@@ -7,7 +7,8 @@ or not) over random configurations (map-style or iterable, ``shuffle``, the
 user's generator or torch's global RNG, ``drop_last``, ``batch_size``
 including None, samplers and batch samplers, ``num_workers`` 0-3,
 ``persistent_workers``, ``in_order``, ``collate_fn``, ``worker_init_fn``,
-``cache``, ``share``) run through ``torch.utils.data.DataLoader`` and
+``cache``, ``share``), and a new loader's epoch in a child process, forked
+or spawned) run through ``torch.utils.data.DataLoader`` and
 ``DpexDataLoader`` side by side, as a hypothesis state machine: every
 output, every exception and every random generator's state after each step
 must be torch's. A failing program is shrunk by hypothesis; keep it as a
@@ -18,10 +19,14 @@ the loader that was not interrupted (torch's goes on as it was).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import multiprocessing
+import queue
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import cloudpickle
 import torch
@@ -204,11 +209,13 @@ class Programs(RuleBasedStateMachine):
         # The latest epoch was left early (a peek, a break, zip's second): a state dict then holds it, to
         # resume (as torchdata's), where torch's next iter() begins anew. No checkpoint till the next epoch.
         self.left, self.latest = False, -1
+        self.may_fork = False  # the program may start a child process (once)
 
-    @initialize(config=configs(), seed=st.integers(0, 2**31))
-    def build(self, config: Config, seed: int) -> None:
+    # One program in four may start a child (a spawned one imports torch anew: seconds)
+    @initialize(config=configs(), seed=st.integers(0, 2**31), child=st.sampled_from([False, False, False, True]))
+    def build(self, config: Config, seed: int, child: bool = True) -> None:
         torch.manual_seed(seed)
-        self.config, self.seed = config, seed
+        self.config, self.seed, self.may_fork = config, seed, child
         Programs.programs += 1
         sides, errors = [], []
         for make in (torch_loader, dpex_loader(self.address, config)):
@@ -229,6 +236,8 @@ class Programs(RuleBasedStateMachine):
         for side in self.sides:
             torch.set_rng_state(before)
             results.append((outcome(lambda: step(side)), side.rng()))
+            if results[-1][0][0] == "raised":  # the iterators its frames held go now, in their own side's turn
+                gc.collect()
         (theirs, their_rng), (ours, our_rng) = results
         if theirs[0] == "raised":  # the same type (Dpex's messages say more: the worker, the sample)
             theirs, ours = theirs[:2], ours[:2]
@@ -312,6 +321,21 @@ class Programs(RuleBasedStateMachine):
             resumed.iterators[slot] = iter(resumed.loader)
         self.sides = (self.sides[0], resumed)
 
+    @precondition(lambda self: self.sides is not None and self.may_fork)
+    @rule(method=st.sampled_from(["fork", "fork", "spawn"]))
+    def child(self, method: str) -> None:
+        """A child process makes a loader of its own and runs an epoch (one a program: spawn's child imports
+        torch anew): Dpex's epoch is torch's, or, in a child forked while gRPC's threads ran in this
+        process (where gRPC would hang), a clear error at once. An exception's type is compared, not its
+        message (Dpex's says more)."""
+        self.may_fork = False
+        if method == "spawn":
+            self.both(lambda side: in_child(side, method, self.address, self.seed)[:2])
+            return
+        theirs, ours = (in_child(side, method, self.address, self.seed) for side in self.sides)
+        if not (ours[:2] == ("raised", "DpexConfigError") and "forked from one where Dpex had run" in ours[2]):
+            assert ours[:2] == theirs[:2], f"in a forked child torch gave {theirs}, Dpex {ours}"
+
     @invariant()
     def same_generator(self) -> None:
         if self.sides is not None:
@@ -321,6 +345,43 @@ class Programs(RuleBasedStateMachine):
         for side in self.sides or ():
             side.close()
 
+
+
+def in_child(side: Side, method: str, address: str, seed: int, timeout_s: float = 120.0) -> Any:
+    """A new loader of ``side``'s kind made in a child process started by ``method``, from this process's
+    global RNG state, and one epoch of it: the epoch's outcome, as ``outcome`` gives it, or ("hang", why)."""
+    kind = "torch" if side.make is torch_loader else "dpex"
+    context = multiprocessing.get_context(method)
+    results = context.Queue()
+    child = context.Process(target=_child_epoch, args=(results, kind, address, side.config, seed,
+                                                       torch.get_rng_state()))
+    child.start()
+    try:
+        got = results.get(timeout=timeout_s)
+    except queue.Empty:
+        got = ("hang", f"{kind}'s loader in a {method}ed child: no epoch in {timeout_s:g}s")
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return got
+
+
+def _child_epoch(results: Any, kind: str, address: str, config: Config, seed: int, rng: Any) -> None:
+    """In the child: a new loader, one epoch; its outcome (as plain values) sent back."""
+    gc.freeze()  # a forked child's copies of the parent's loaders are the parent's: never collected here
+    torch.set_rng_state(rng)  # a spawned child as the forked one: from the parent's global RNG
+    # torch's, as a user's child makes it: its workers forked (no gRPC thread runs here; the parent's
+    # forkserver is not this process's child to use)
+    make = DataLoader if kind == "torch" else dpex_loader(address, config)
+
+    def epoch() -> list:
+        side = Side(config, make, seed)
+        try:
+            return list(side.loader)
+        finally:
+            side.close()
+    results.put(outcome(epoch))
 
 
 def _drop(iterators: dict, slot: int) -> None:
@@ -341,9 +402,21 @@ def run(address: str, programs: int, steps: int = 8, derandomize: bool = True) -
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
     Programs.address = address
-    run_state_machine_as_test(Programs, settings=settings(
-        max_examples=programs, stateful_step_count=steps, deadline=None, database=None,
-        derandomize=derandomize, suppress_health_check=list(HealthCheck), print_blob=True))
+    with _quick_worker_exits():
+        run_state_machine_as_test(Programs, settings=settings(
+            max_examples=programs, stateful_step_count=steps, deadline=None, database=None,
+            derandomize=derandomize, suppress_health_check=list(HealthCheck), print_blob=True))
+
+
+@contextlib.contextmanager
+def _quick_worker_exits() -> Iterator[None]:
+    """torch's workers that raised in an IterableDataset are waited for 5 s each when their iterator
+    goes: not what is compared, and a tenth of a run's time. A tenth of a second while programs run."""
+    old = torch_private.set_worker_exit_wait(0.1)
+    try:
+        yield
+    finally:
+        torch_private.set_worker_exit_wait(old)
 
 
 class Slot:
@@ -360,10 +433,11 @@ def replay(address: str, config: Config, seed: int, steps: list[tuple[str, dict]
     """Runs one program written out (a shrunk counterexample, kept as a regression test)."""
     Programs.address = address
     machine = Programs()
-    try:
-        machine.build(config=config, seed=seed)
-        for name, kwargs in steps:
-            getattr(machine, name)(**kwargs)
-            machine.same_generator()
-    finally:
-        machine.teardown()
+    with _quick_worker_exits():
+        try:
+            machine.build(config=config, seed=seed)
+            for name, kwargs in steps:
+                getattr(machine, name)(**kwargs)
+                machine.same_generator()
+        finally:
+            machine.teardown()

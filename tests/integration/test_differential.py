@@ -12,8 +12,8 @@ MAP = dict(iterable=False, length=20, batch_size=4, drop_last=False, shuffle=Tru
 
 
 def test_random_programs_behave_as_torchs(cluster):
-    run(cluster.address, programs=60)
-    assert Programs.programs >= 60
+    run(cluster.address, programs=300)
+    assert Programs.programs >= 300
 
 
 FOUND = {
@@ -51,3 +51,14 @@ FOUND = {
 def test_programs_the_tester_found_behave_as_torchs(cluster, name):
     config, steps = FOUND[name]
     replay(cluster.address, Config(**config), 1234, steps)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("config", [dict(MAP, num_workers=2, rng="global"),
+                                    dict(MAP, iterable=True, shuffle=False, num_workers=1)], ids=["map", "iterable"])
+def test_a_loader_made_in_a_child_mid_epoch_behaves_as_torchs(cluster, config, method):
+    """Issue 55: the tester's rarest step, always taken: a new loader in a child process while the
+    parent's epoch is open (forked: torch's epoch or a clear error at once; spawned: torch's epoch)."""
+    replay(cluster.address, Config(**config), 1234, [
+        ("iterate", {"slot": 0}), ("next_", {"data": Slot(0)}), ("child", {"method": method}),
+        ("finish", {"data": Slot(0)}), ("peek", {})])

@@ -3,6 +3,7 @@ torch's DataLoader that Dpex reaches into still does what torch's own
 workers do with it, or this fails (not a user's job). torch is the oracle:
 what a real DataLoader worker sees is compared with what the helpers make."""
 import numpy as np
+import pytest
 import torch
 import torch.utils.data as tud
 
@@ -68,3 +69,28 @@ def test_a_loaders_workers_stop_when_asked_as_when_collected():
     assert multiprocessing.active_children()
     torch_private.shutdown_workers(loader, [held])
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+def test_a_loader_waits_for_its_workers_exit_as_long_as_it_is_told():
+    """An IterableDataset whose worker raised: dropping its iterator waits for each worker in turn, as
+    long as torch's MP_STATUS_CHECK_INTERVAL (5 s a worker in torch 2.13), shortened for the tester."""
+    import gc
+    import time
+
+    class Raising(tud.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    def fail(batch):
+        raise TypeError("not a batch")
+    old = torch_private.set_worker_exit_wait(0.2)
+    try:
+        loader = tud.DataLoader(Raising(), batch_size=None, num_workers=2, collate_fn=fail,
+                                multiprocessing_context="fork")
+        with pytest.raises(TypeError):
+            next(iter(loader))
+        start = time.monotonic()
+        gc.collect()  # the iterator, held by the exception's frames, goes
+        assert time.monotonic() - start < 3
+    finally:
+        assert torch_private.set_worker_exit_wait(old) == 0.2
