@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from dpex.client import checkpoint, job as jobs
 from dpex.client.checkpoint import EpochState, Progress
-from dpex.client.fetcher import EpochFetcher
+from dpex.client.fetcher import EpochFetcher, end_left
 from dpex.client.seen import DatasetSeen
 from dpex.client.lanes import Lane
 from dpex.client.options import LoaderOptions
@@ -73,6 +73,7 @@ class Epochs:
             base_seed, sampler, plan, streams = draw.plan()
             self.replicas = self.next_replicas()
             progress = Progress(num_streams=streams, starts=self.replicas if streams else {})
+        end_left((lane.job_id, session.consumer_index, epoch))  # this epoch before, its iterator dropped
         num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resumed=resume is not None)
         fetcher = EpochFetcher(
             stub=session.stub, target=session.target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,

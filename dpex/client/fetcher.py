@@ -196,30 +196,46 @@ class _Exit:
     """What ending an epoch does, once: stop the control thread, and either
     report the last acks (finished) or tell the dispatcher the trainer left
     the epoch, so that workers drop what they hold for it at once. Shared by
-    close() and the fetcher's finalizer (an iterator dropped mid-epoch)."""
+    close() and the fetcher's finalizer (an iterator dropped mid-epoch, ended
+    by the reaper thread); a second caller waits until the first is done."""
 
     def __init__(self, control: Control, leave: Callable[[bool], None] | None, streams: StreamPool,
                  key: tuple[int, int, int]) -> None:
         self.control, self._leave = control, leave
-        self._streams, self._key = streams, key
+        self._streams, self.key = streams, key
         self.finished = False
-        # The leaving is told before close() returns (else sent and not waited for): an epoch
-        # that another takes the place of (the same epoch, resumed) must be gone before that one is planned.
-        self.wait = False
+        # The leaving is told before the call returns, but from close() without a reason (the caller's
+        # thread returns at once, the release sent): an epoch that another takes the place of (the same
+        # epoch, resumed) must be gone before that one is planned.
+        self.wait = True
+        self._lock = threading.Lock()
         self._done = False
 
     def __call__(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        _live.discard(self)
-        self.control.close(flush=self.finished)
-        self._streams.end_epoch(self._key)  # frames queued for it, and their files, go now
-        if not self.finished and self._leave is not None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
             try:
-                self._leave(self.wait)
-            except Exception as e:  # the dispatcher's consumer timeout does it later
-                log.debug("could not release the epoch: %s", e)
+                self.control.close(flush=self.finished)
+                self._streams.end_epoch(self.key)  # frames queued for it, and their files, go now
+                if not self.finished and self._leave is not None:
+                    try:
+                        self._leave(self.wait)
+                    except Exception as e:  # the dispatcher's consumer timeout does it later
+                        log.debug("could not release the epoch: %s", e)
+            finally:
+                _live.discard(self)  # only now: end_left() waits for an end under way
+
+
+def end_left(key: tuple[int, int, int]) -> None:
+    """Ends now, in this thread, epoch ``key`` (job, consumer, epoch) if it
+    was left and its end is still to come (its iterator dropped: the reaper
+    has it queued, or runs it), told to the dispatcher before this returns:
+    the same epoch planned again (resumed from a state dict, or begun again
+    after one taken at an epoch's end) must not be released by that end."""
+    for end in [e for e in list(_live) if e.key == key]:
+        end()
 
 
 class _Reaper:
@@ -587,7 +603,8 @@ class EpochFetcher:
         ``why`` (another epoch took its place), its next batch raises that."""
         if why is not None and not self._closed:
             self._left_why = why
-            self._exit.wait = True
+        elif not self._closed:
+            self._exit.wait = False  # the caller's thread goes on; the leaving is sent
         self._closed = True
         if self._finalizer.detach() is not None:  # by the caller, in its thread: ended before close() returns
             self._exit()

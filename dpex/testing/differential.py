@@ -304,22 +304,26 @@ class Programs(RuleBasedStateMachine):
         self.both(lambda side: _set_epoch(side.loader, epoch))
 
     # A generator inside the user's batch_sampler is not the loader's: no state dict can know it.
-    @precondition(lambda self: self.sides is not None and not self.config.iterable
-                  and self.config.sampler != "batch_sampler" and not self.left and len(self.sides[1].iterators) <= 1 and all(self.given[k] > 0 for k in self.sides[1].iterators))
-    @rule(through_json=st.booleans())
-    def checkpoint(self, through_json: bool) -> None:
-        """Dpex's loader is saved and a new one resumes from it; torch's goes on as it was."""
+    @precondition(lambda self: self.sides is not None and self.config.sampler != "batch_sampler"
+                  and not self.left and len(self.sides[1].iterators) <= 1
+                  and all(self.given[k] > 0 for k in self.sides[1].iterators))
+    @rule(through_json=st.booleans(), into=st.sampled_from(["new", "same"]))
+    def checkpoint(self, through_json: bool, into: str = "new") -> None:
+        """Dpex's loader is saved and resumes from it, a new loader or the same one (its iterators
+        dropped, as a training loop restarted in the same process); torch's goes on as it was."""
         ours = self.sides[1]
         state = ours.loader.state_dict()
         if through_json:
             state = json.loads(json.dumps(state))
         slots = list(ours.iterators)
-        ours.close()
-        resumed = Side(self.config, ours.make, self.seed)  # the loader's generator, if any, is set from the state
-        resumed.loader.load_state_dict(state)
+        if into == "new":
+            ours.close()
+            ours = Side(self.config, ours.make, self.seed)  # the loader's generator, if any, is set from the state
+        ours.iterators.clear()
+        ours.loader.load_state_dict(state)
         for slot in slots:
-            resumed.iterators[slot] = iter(resumed.loader)
-        self.sides = (self.sides[0], resumed)
+            ours.iterators[slot] = iter(ours.loader)
+        self.sides = (self.sides[0], ours)
 
     @precondition(lambda self: self.sides is not None and self.may_fork)
     @rule(method=st.sampled_from(["fork", "fork", "spawn"]))

@@ -44,6 +44,12 @@ FOUND = {
             ("iterate", {"slot": 0}), ("break_", {"data": Slot(0)}), ("iterate", {"slot": 0}),
             ("next_", {"data": Slot(0)}), ("set_epoch", {"epoch": 0}), ("next_", {"data": Slot(0)}),
             ("finish", {"data": Slot(0)})]),
+    # A checkpoint loaded into the same loader, its iterator dropped: the dropped epoch's end (the reaper
+    # thread's, later) released the resumed one, which has the same number.
+    "a checkpoint into the same loader": (dict(MAP, num_workers=2, rng="global"), [
+        ("iterate", {"slot": 0}), ("next_", {"data": Slot(0)}), ("checkpoint", {"through_json": False, "into": "same"}),
+        ("next_", {"data": Slot(0)}), ("finish", {"data": Slot(0)}), ("iterate", {"slot": 1}),
+        ("finish", {"data": Slot(1)})]),
 }
 
 

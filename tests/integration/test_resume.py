@@ -169,6 +169,38 @@ def torch_roundtrip(sd):
     return torch.load(buffer)
 
 
+@pytest.mark.parametrize("dataset", [SPEC, UNEVEN], ids=["map-style", "iterable"])
+@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
+def test_the_same_loader_resumes_after_its_iterator_was_dropped(c, dataset, where):
+    """A training loop that failed restarts in the same process: its iterator dropped (ended by the
+    reaper thread, later), the same loader given the last state dict. The resumed epoch has the same
+    number as the dropped one; the dropped one's end must not release it (it did, at random: "no plan for
+    consumer 0 epoch 0", issue 55's tester)."""
+    kw = dict(batch_size=B, timeout=60, generator=torch.Generator().manual_seed(3),
+              **({"num_workers": 2} if dataset is UNEVEN else {}))
+    with dpex.RemoteDataLoader(c.address, dataset, **kw) as whole:
+        want = [[plain(b) for b in whole] for _ in range(2)]
+    with dpex.RemoteDataLoader(c.address, dataset, **dict(kw, generator=torch.Generator().manual_seed(3))) as dl:
+        start = dl.state_dict()
+        for _ in range(4):  # the race went either way
+            dl.load_state_dict(start)
+            it = iter(dl)
+            if where == "mid-epoch":
+                first = plain(next(it))
+                sd = dl.state_dict()
+                next(it)  # a batch past the checkpoint: it comes again
+            else:
+                first = [plain(b) for b in it]
+                sd = dl.state_dict()
+                next(iter(dl))  # the next epoch, begun and dropped
+            del it
+            dl.load_state_dict(torch_roundtrip(sd))
+            if where == "mid-epoch":
+                assert [first] + [plain(b) for b in dl] == want[0]
+            else:
+                assert first == want[0] and [plain(b) for b in dl] == want[1]
+
+
 def test_a_state_dict_is_small_and_refused_when_it_does_not_fit(c):
     with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60,
                                job_name="saved") as dl:
