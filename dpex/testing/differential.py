@@ -36,6 +36,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               SubsetRandomSampler, get_worker_info)
 
 from dpex import torch_private
+from dpex.testing.compare import plain
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import dpex.testing
 
@@ -136,17 +137,6 @@ def configs(draw: Any) -> Config:
                   in_order=num_workers > 1 or draw(st.booleans()),
                   collate=draw(st.booleans()), init=draw(st.booleans()), cache=not iterable and draw(st.booleans()),
                   share=draw(st.booleans()))
-
-
-def plain(value: Any) -> Any:
-    """A batch as comparable values: tensors by dtype and content."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), value.tolist())
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [plain(v) for v in value])
-    return value
 
 
 def outcome(fn: Any) -> Any:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 import dpex
 from dpex import DpexDataLoader
 from dpex.testing import oracle_context
+from dpex.testing.compare import plain
 from dpex.testing.datasets import Crashing
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import tests/
@@ -132,19 +133,6 @@ class Growing(Dataset):
 
 
 # ---- running a scenario through both ---------------------------------------------------------------
-def plain(value):
-    """A batch as plain values that keep their types."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape), value.tolist())
-    if isinstance(value, np.ndarray):
-        return ("ndarray", str(value.dtype), value.tolist())
-    if isinstance(value, dict):
-        return ("dict", {k: plain(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [plain(v) for v in value])
-    return (type(value).__name__, value)
-
-
 def kind(e):
     """The exception's own class: Dpex raises a subclass that is also a
     DpexWorkerError, or a DpexWorkerError where torch raises a RuntimeError."""
