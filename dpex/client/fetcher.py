@@ -208,8 +208,15 @@ class _Exit:
         # thread returns at once, the release sent): an epoch that another takes the place of (the same
         # epoch, resumed) must be gone before that one is planned.
         self.wait = True
+        self.dropped = False  # its iterator was collected: the reaper thread ends it
         self._lock = threading.Lock()
         self._done = False
+
+    def later(self) -> None:
+        """The iterator was collected (its finalizer, in whatever thread the collector interrupts): the
+        reaper thread ends the epoch."""
+        self.dropped = True
+        _reaper.put(self)
 
     def __call__(self) -> None:
         with self._lock:
@@ -229,12 +236,14 @@ class _Exit:
 
 
 def end_left(key: tuple[int, int, int]) -> None:
-    """Ends now, in this thread, epoch ``key`` (job, consumer, epoch) if it
-    was left and its end is still to come (its iterator dropped: the reaper
-    has it queued, or runs it), told to the dispatcher before this returns:
-    the same epoch planned again (resumed from a state dict, or begun again
-    after one taken at an epoch's end) must not be released by that end."""
-    for end in [e for e in list(_live) if e.key == key]:
+    """Ends now, in this thread, epoch ``key`` (job, consumer, epoch) if its
+    iterator was dropped and its end is still to come (the reaper has it
+    queued, or runs it), told to the dispatcher before this returns: the
+    same epoch planned again (resumed from a state dict, or begun again
+    after one taken at an epoch's end) must not be released by that end.
+    An epoch still read (another loader's of the same named job) is not
+    touched: the dispatcher refuses the newcomer."""
+    for end in [e for e in list(_live) if e.key == key and e.dropped]:
         end()
 
 
@@ -363,7 +372,7 @@ class EpochFetcher:
         self._control.next_seq = self._ledger.low
         self._exit = _Exit(self._control, leave, streams, self.key)
         _live.add(self._exit)
-        self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
+        self._finalizer = weakref.finalize(self, self._exit.later)
         self._finalizer.atexit = False  # _end_at_exit ends it then, in the main thread
 
     def __iter__(self) -> "EpochFetcher":
