@@ -310,8 +310,10 @@ _live: set = set()  # the _Exit of every epoch not ended yet
 
 @atexit.register
 def _end_at_exit() -> None:
-    """At exit, in this (the main) thread: the epochs still open end, as close() ends them."""
+    """At exit, in this (the main) thread: the epochs still open end, as close() ends them (their
+    leaving sent, not waited for: nothing is planned after)."""
     for end in list(_live):
+        end.wait = False
         end()
     _reaper.drain()
 

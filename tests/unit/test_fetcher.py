@@ -176,3 +176,44 @@ def test_the_reaper_takes_an_epoch_a_finalizer_hands_it_from_inside_its_own_put(
     assert not putting.is_alive(), "put() hung on its own lock"
     reaper.drain(10)
     assert sorted(ended) == ["the collected epoch", "the left epoch"]
+
+
+def test_an_epoch_ends_a_dropped_epoch_of_its_own_key_first_and_never_a_live_one():
+    """Issue 55 (the tester: a checkpoint into the same loader): a dropped iterator's end is the reaper
+    thread's, later; an epoch of the same (job, consumer, epoch) planned again must not be released by it, so
+    end_left runs it now and waits for its release. Another loader's epoch still read is left alone."""
+    from dpex.client import fetcher as fetching
+
+    class Quiet:  # a control thread, and the streams, that have nothing to stop
+        def close(self, flush):
+            pass
+
+        def end_epoch(self, key):
+            pass
+    leaves, releasing = [], threading.Event()
+
+    def leave(wait):
+        releasing.wait(10)  # the dispatcher answers when the test says
+        leaves.append(wait)
+
+    def exit_of(key):
+        end = fetching._Exit(Quiet(), leave, Quiet(), key)
+        fetching._live.add(end)
+        return end
+    live, dropped, other = exit_of((1, 0, 0)), exit_of((1, 0, 0)), exit_of((1, 0, 1))
+    dropped.dropped = True  # its finalizer ran: the reaper has it queued
+    other.dropped = True
+    try:
+        ending = threading.Thread(target=fetching.end_left, args=((1, 0, 0),))
+        ending.start()
+        ending.join(0.2)
+        assert ending.is_alive()  # waiting for the dispatcher's answer to the release
+        releasing.set()
+        ending.join(10)
+        assert leaves == [True]  # the dropped one, told and waited for; not the live one, not epoch 1
+        assert live in fetching._live and other in fetching._live and dropped not in fetching._live
+        dropped()  # the reaper's turn comes: nothing more
+        assert leaves == [True]
+    finally:
+        for end in (live, other):
+            fetching._live.discard(end)
