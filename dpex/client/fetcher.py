@@ -200,23 +200,17 @@ class _Exit:
     by the reaper thread); a second caller waits until the first is done."""
 
     def __init__(self, control: Control, leave: Callable[[bool], None] | None, streams: StreamPool,
-                 key: tuple[int, int, int]) -> None:
+                 key: tuple[int, int, int], client_id: int = 0, fetcher: Any = None) -> None:
         self.control, self._leave = control, leave
-        self._streams, self.key = streams, key
+        self._streams, self.key, self.client_id = streams, key, client_id
+        self.fetcher = weakref.ref(fetcher) if fetcher is not None else lambda: None  # not kept alive here
         self.finished = False
         # The leaving is told before the call returns, but from close() without a reason (the caller's
         # thread returns at once, the release sent): an epoch that another takes the place of (the same
         # epoch, resumed) must be gone before that one is planned.
         self.wait = True
-        self.dropped = False  # its iterator was collected: the reaper thread ends it
         self._lock = threading.Lock()
         self._done = False
-
-    def later(self) -> None:
-        """The iterator was collected (its finalizer, in whatever thread the collector interrupts): the
-        reaper thread ends the epoch."""
-        self.dropped = True
-        _reaper.put(self)
 
     def __call__(self) -> None:
         with self._lock:
@@ -235,16 +229,22 @@ class _Exit:
                 _live.discard(self)  # only now: end_left() waits for an end under way
 
 
-def end_left(key: tuple[int, int, int]) -> None:
-    """Ends now, in this thread, epoch ``key`` (job, consumer, epoch) if its
-    iterator was dropped and its end is still to come (the reaper has it
-    queued, or runs it), told to the dispatcher before this returns: the
-    same epoch planned again (resumed from a state dict, or begun again
-    after one taken at an epoch's end) must not be released by that end.
-    An epoch still read (another loader's of the same named job) is not
-    touched: the dispatcher refuses the newcomer."""
-    for end in [e for e in list(_live) if e.key == key and e.dropped]:
-        end()
+def end_left(key: tuple[int, int, int], client_id: int) -> None:
+    """Ends now, in this thread, this loader's (``client_id``'s) epoch ``key``
+    (job, consumer, epoch) if one is not ended yet, told to the dispatcher
+    before this returns: the same epoch planned again (resumed from a state
+    dict, or begun again after one taken at an epoch's end) must not be
+    released by that one's end, which would come later (its iterator
+    dropped: the reaper's; or held in a reference cycle: the collector's).
+    Its iterator, if still held, says why at its next batch. Another
+    loader's epoch (of the same named job) is not touched: the dispatcher
+    refuses the newcomer."""
+    for end in [e for e in list(_live) if e.key == key and e.client_id == client_id]:
+        fetcher = end.fetcher()
+        if fetcher is not None:
+            fetcher.close(f"epoch {key[2]} of job {key[0]} was begun again by this loader (a state dict loaded), "
+                          "which takes this iterator's place")
+        end()  # its end may be the reaper's, under way: waited for
 
 
 class _Reaper:
@@ -372,9 +372,9 @@ class EpochFetcher:
         self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
                                 self._meter, client_id, job_key)
         self._control.next_seq = self._ledger.low
-        self._exit = _Exit(self._control, leave, streams, self.key)
+        self._exit = _Exit(self._control, leave, streams, self.key, client_id, self)
         _live.add(self._exit)
-        self._finalizer = weakref.finalize(self, self._exit.later)
+        self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
         self._finalizer.atexit = False  # _end_at_exit ends it then, in the main thread
 
     def __iter__(self) -> "EpochFetcher":

@@ -3,6 +3,7 @@ and the next epochs exactly as an uninterrupted one would — after a clean
 stop, and after the checkpointing trainer was SIGKILLed past its checkpoint
 (with a worker killed, or the dispatcher restarted from its journal, meanwhile)."""
 import contextlib
+import gc
 import io
 import random
 import signal
@@ -170,35 +171,42 @@ def torch_roundtrip(sd):
 
 
 @pytest.mark.parametrize("dataset", [SPEC, UNEVEN], ids=["map-style", "iterable"])
-@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
+@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end", "held in a cycle"])
 def test_the_same_loader_resumes_after_its_iterator_was_dropped(c, dataset, where):
     """A training loop that failed restarts in the same process: its iterator dropped (ended by the
-    reaper thread, later), the same loader given the last state dict. The resumed epoch has the same
-    number as the dropped one; the dropped one's end must not release it (it did, at random: "no plan for
-    consumer 0 epoch 0", issue 55's tester)."""
+    reaper thread, later, or, held in a reference cycle, when the collector finds it), the same loader
+    given the last state dict. The resumed epoch has the same number as the dropped one; the dropped one's
+    end must not release it (it did, at random: "no plan for consumer 0 epoch 0", issue 55's tester; and
+    held in a cycle, an epoch that stopped: "no batch arrived for 60s")."""
     kw = dict(batch_size=B, timeout=60, generator=torch.Generator().manual_seed(3),
               **({"num_workers": 2} if dataset is UNEVEN else {}))
     with dpex.RemoteDataLoader(c.address, dataset, **kw) as whole:
         want = [[plain(b) for b in whole] for _ in range(2)]
     with dpex.RemoteDataLoader(c.address, dataset, **dict(kw, generator=torch.Generator().manual_seed(3))) as dl:
         start = dl.state_dict()
-        for _ in range(4):  # the race went either way
+        for _ in range(3):  # the race went either way
             dl.load_state_dict(start)
             it = iter(dl)
-            if where == "mid-epoch":
-                first = plain(next(it))
+            first = plain(next(it))
+            sd = dl.state_dict()
+            if where == "at an epoch's end":
+                first = [first] + [plain(b) for b in it]
                 sd = dl.state_dict()
-                next(it)  # a batch past the checkpoint: it comes again
-            else:
-                first = [plain(b) for b in it]
-                sd = dl.state_dict()
-                next(iter(dl))  # the next epoch, begun and dropped
-            del it
+                it = iter(dl)  # the next epoch, begun and dropped
+            next(it)  # a batch past the checkpoint: it comes again
+            cycle = [it]
+            if where == "held in a cycle":
+                cycle.append(cycle)  # only the collector frees it
+            del it, cycle
             dl.load_state_dict(torch_roundtrip(sd))
-            if where == "mid-epoch":
-                assert [first] + [plain(b) for b in dl] == want[0]
+            resumed = iter(dl)
+            got = [plain(next(resumed))]
+            gc.collect()  # the iterator in a cycle goes now, mid-epoch of the resumed one
+            got += [plain(b) for b in resumed]
+            if where == "at an epoch's end":
+                assert first == want[0] and got == want[1]
             else:
-                assert first == want[0] and [plain(b) for b in dl] == want[1]
+                assert [first] + got == want[0]
 
 
 def test_a_state_dict_is_small_and_refused_when_it_does_not_fit(c):

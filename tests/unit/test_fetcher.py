@@ -178,10 +178,12 @@ def test_the_reaper_takes_an_epoch_a_finalizer_hands_it_from_inside_its_own_put(
     assert sorted(ended) == ["the collected epoch", "the left epoch"]
 
 
-def test_an_epoch_ends_a_dropped_epoch_of_its_own_key_first_and_never_a_live_one():
+def test_an_epoch_ends_the_same_loaders_epoch_of_its_own_key_first_and_never_another_loaders():
     """Issue 55 (the tester: a checkpoint into the same loader): a dropped iterator's end is the reaper
-    thread's, later; an epoch of the same (job, consumer, epoch) planned again must not be released by it, so
-    end_left runs it now and waits for its release. Another loader's epoch still read is left alone."""
+    thread's, later (or the collector's, for one held in a reference cycle); an epoch of the same (job,
+    consumer, epoch) begun again by the same loader must not be released by it, so end_left runs it now and
+    waits for its release. Another loader's epoch of the same named job is left alone (its newcomer is
+    refused by the dispatcher), and so is another epoch."""
     from dpex.client import fetcher as fetching
 
     class Quiet:  # a control thread, and the streams, that have nothing to stop
@@ -196,24 +198,22 @@ def test_an_epoch_ends_a_dropped_epoch_of_its_own_key_first_and_never_a_live_one
         releasing.wait(10)  # the dispatcher answers when the test says
         leaves.append(wait)
 
-    def exit_of(key):
-        end = fetching._Exit(Quiet(), leave, Quiet(), key)
+    def exit_of(key, client_id):
+        end = fetching._Exit(Quiet(), leave, Quiet(), key, client_id)
         fetching._live.add(end)
         return end
-    live, dropped, other = exit_of((1, 0, 0)), exit_of((1, 0, 0)), exit_of((1, 0, 1))
-    dropped.dropped = True  # its finalizer ran: the reaper has it queued
-    other.dropped = True
+    ours, theirs, later = exit_of((1, 0, 0), 7), exit_of((1, 0, 0), 8), exit_of((1, 0, 1), 7)
     try:
-        ending = threading.Thread(target=fetching.end_left, args=((1, 0, 0),))
+        ending = threading.Thread(target=fetching.end_left, args=((1, 0, 0), 7))
         ending.start()
         ending.join(0.2)
         assert ending.is_alive()  # waiting for the dispatcher's answer to the release
         releasing.set()
         ending.join(10)
-        assert leaves == [True]  # the dropped one, told and waited for; not the live one, not epoch 1
-        assert live in fetching._live and other in fetching._live and dropped not in fetching._live
-        dropped()  # the reaper's turn comes: nothing more
+        assert leaves == [True]  # ours, told and waited for; not the other loader's, not epoch 1
+        assert theirs in fetching._live and later in fetching._live and ours not in fetching._live
+        ours()  # the reaper's turn comes: nothing more
         assert leaves == [True]
     finally:
-        for end in (live, other):
+        for end in (theirs, later):
             fetching._live.discard(end)
