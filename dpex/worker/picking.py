@@ -12,7 +12,8 @@ from typing import Callable, Collection
 
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.queues import Queues
-from dpex.worker.runners import Held, Key
+from dpex.worker.batchkey import Key
+from dpex.worker.runners import Held
 
 
 def next_key(queues: Queues, budget: Budget, held: Held, running: Collection[Key],

@@ -205,9 +205,7 @@ def crash_frame(task: Task, exc: BaseException, worker_address: str, stage: str 
     ``death``: its pid, exit code and the sample it was reading, if known), or
     (stage "plan") whose indices could not be computed. A death reads as
     torch's DataLoader says it, with the sample."""
-    from dpex.proto import worker_pb2 as wpb
-    meta = wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
-                     epoch=task.epoch, seq=task.seq)
+    meta = task.key.header()
     kind = type(exc)
     if stage == "process":
         kind = RuntimeError

@@ -18,15 +18,15 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
-from typing import Callable, Iterator, NamedTuple, Protocol
+from typing import Callable, Iterator, Protocol
 
 from dpex import shm
 from dpex.log import fields
 from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, parse_frame
 from dpex.worker import stream
+from dpex.worker.batchkey import Key
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.pool import BatchPool, crash_frame
 from dpex.worker.runtime import Task, produce
@@ -37,18 +37,6 @@ Frame = "bytes | shm.Handoff"  # a Handoff: the frame lies in a /dev/shm file (d
 Sink = Callable[[Frame], None]
 
 
-class Key(NamedTuple):
-    """A batch id, ordered as the dispatcher orders splits."""
-    epoch: int
-    seq: int
-    consumer_index: int
-    job_id: int
-
-    @property
-    def consumer(self) -> Consumer:
-        return (self.job_id, self.consumer_index)
-
-
 def split_keys(split: dpb.Split) -> list[Key]:
     """The batch ids of a (map-style) split, in order."""
     return [Key(split.epoch, s, split.consumer_index, split.job_id)
@@ -56,8 +44,7 @@ def split_keys(split: dpb.Split) -> list[Key]:
 
 
 def not_assigned_frame(key: Key) -> bytes:
-    return build_frame(wpb.Batch(job_id=key.job_id, consumer_index=key.consumer_index,
-                                 epoch=key.epoch, seq=key.seq, not_assigned=True))
+    return build_frame(key.header(not_assigned=True))
 
 
 def make(split: dpb.Split, job_path: str, worker_address: str, buffer: int, budget: Budget) -> "SplitRunner":
@@ -129,8 +116,7 @@ class MapRunner:
         """What the pool runs to make batch ``key`` (no indices: it is the plan's error)."""
         i = self._offset[key]
         explicit = self.split.batches[i] if self.split.batches else None
-        return Task(key.job_id, job_path, key.consumer_index, key.epoch, key.seq,
-                    self.batches[i] if self.error is None else [], self.split.base_seed,
+        return Task(key, job_path, self.batches[i] if self.error is None else [], self.split.base_seed,
                     explicit is not None and explicit.whole, self.places[i] if self.places else [])
 
     def start(self, key: Key, pool: BatchPool, job_path: str, worker_address: str, passing: bool = False) -> Future:

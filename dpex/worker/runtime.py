@@ -19,16 +19,15 @@ from dpex import errors, seeding, torch_private
 from dpex.procutil import die_with_parent, map_big_buffers
 from dpex import shm
 from dpex.shm import Handoff
+from dpex.worker.batchkey import Key
 
 _MAX_CACHED_JOBS = 8
 
 
 class Task(NamedTuple):
-    job_id: int
+    """What a batch process makes: batch ``key`` of the job in ``job_path``, of samples ``indices``."""
+    key: Key
     job_path: str
-    consumer_index: int
-    epoch: int
-    seq: int
     indices: list[int]
     base_seed: int = 0
     whole: bool = False  # an unbatched job's element that was a list: dataset[indices]
@@ -202,17 +201,15 @@ class BatchProcess:
     def produce(self, task: Task) -> bytes | Handoff:
         """A whole Batch frame, with a payload or an error (a large one as a
         hand-off file: see dpex.shm)."""
-        from dpex.proto import worker_pb2 as wpb
         from dpex.wire import encode_parts, frame_parts
         from dpex.wire.compression import compress
-        stages = Stages(wpb.Batch(job_id=task.job_id, consumer_index=task.consumer_index,
-                                  epoch=task.epoch, seq=task.seq), "build")
+        stages = Stages(task.key.header(), "build")
         meta, index, slab = stages.meta, -1, None
         try:
-            job = self.load_job(task.job_id, task.job_path)
+            job = self.load_job(task.key.job_id, task.job_path)
             meta.dataset_length, meta.dataset_fingerprint = job.length, job.fingerprint
             stages.stage = "worker_init_fn"
-            self._enter(task.job_id, task.epoch, task.base_seed, job)
+            self._enter(task.key.job_id, task.key.epoch, task.base_seed, job)
             # What torch's map-style fetcher reads: one element without auto-batching
             # (a list element as dataset[list]), else via __getitems__ if the dataset has one.
             dataset = job.dataset

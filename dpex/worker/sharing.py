@@ -31,7 +31,7 @@ from dpex.worker.runtime import Task
 def content_key(digest: bytes, task: Task) -> bytes:
     """What a batch holds, as a key: equal for equal batches of jobs of one definition."""
     h = hashlib.sha256(digest)
-    h.update(b"%d|%d|%d|" % (task.epoch, task.base_seed, task.whole))
+    h.update(b"%d|%d|%d|" % (task.key.epoch, task.base_seed, task.whole))
     h.update(",".join(map(str, task.indices)).encode() + b"|" + ",".join(map(str, task.places)).encode())
     return h.digest()[:16]
 

@@ -22,14 +22,15 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts
 from dpex import seeding, stdlib, wire
 from dpex.worker import runtime
+from dpex.worker.batchkey import Key
 
 log = logging.getLogger("dpex.worker")
 
 
 def meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
     """The metadata of stream batch j."""
-    return wpb.Batch(job_id=split["job_id"], consumer_index=split["consumer_index"], epoch=split["epoch"],
-                     seq=stream_seq(split["stream"], j, split["num_streams"]), **fields)
+    return Key(split["epoch"], stream_seq(split["stream"], j, split["num_streams"]), split["consumer_index"],
+               split["job_id"]).header(**fields)
 
 
 _END = object()

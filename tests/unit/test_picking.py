@@ -2,7 +2,8 @@
 from dpex.worker import picking
 from dpex.worker.budget import Budget
 from dpex.worker.queues import Queues
-from dpex.worker.runners import Held, Key
+from dpex.worker.batchkey import Key
+from dpex.worker.runners import Held
 
 
 def test_the_next_batch_ahead_is_the_lowest_not_running_and_none_once_the_read_ahead_is_full():

@@ -12,6 +12,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.testing.datasets import Squares, WorkerProbe, record_worker_init
 from dpex.wire import decode, parse_frame
 from dpex.worker import runtime
+from dpex.worker.batchkey import Key
 from dpex.worker.runtime import Task, produce
 from tests.unit.batches import job_file
 
@@ -35,7 +36,7 @@ def batch_of(frame) -> tuple[wpb.Batch, object]:
 
 def test_a_task_is_torchs_collated_batch_in_a_frame(tmp_path):
     path = job_file(tmp_path, "Squares", n=20)
-    meta, batch = batch_of(produce(Task(7, path, 2, 3, 11, [5, 1, 19])))
+    meta, batch = batch_of(produce(Task(Key(3, 11, 2, 7), path, [5, 1, 19])))
     assert (meta.job_id, meta.consumer_index, meta.epoch, meta.seq, meta.dataset_length) == (7, 2, 3, 11, 20)
     expected = default_collate([Squares(20)[i] for i in (5, 1, 19)])
     assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["y"], expected["y"])
@@ -47,26 +48,26 @@ def test_a_task_sees_torchs_worker_api_as_torchs_worker_0_does(tmp_path):
                                        generator=torch.Generator().manual_seed(5))))
     base_seed = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(5)).item()
     for seq in (0, 1):  # worker_init_fn once per epoch, as in torch's worker
-        _, batch = batch_of(produce(Task(1, path, 0, 0, seq, [0, 1, 2, 3], base_seed)))
+        _, batch = batch_of(produce(Task(Key(0, seq, 0, 1), path, [0, 1, 2, 3], base_seed)))
     for key in ("id", "num_workers", "seed", "init_calls", "torch_seed", "np_state"):
         assert torch.equal(batch[key], torch_batch[key]), key
 
 
 def test_errors_name_their_stage_type_and_sample(tmp_path):
-    meta, _ = batch_of(produce(Task(1, job_file(tmp_path, "Faulty", n=20, bad=13), 0, 0, 0, [12, 13])))
+    meta, _ = batch_of(produce(Task(Key(0, 0, 0, 1), job_file(tmp_path, "Faulty", n=20, bad=13), [12, 13])))
     assert (meta.error.type, meta.error.stage, meta.error.sample_index, meta.error.worker) == \
         ("ZeroDivisionError", "getitem", 13, "test-worker")
-    meta, _ = batch_of(produce(Task(2, job_file(tmp_path, "BrokenInit", "broken.pb"), 0, 0, 0, [0])))
+    meta, _ = batch_of(produce(Task(Key(0, 0, 0, 2), job_file(tmp_path, "BrokenInit", "broken.pb"), [0])))
     assert (meta.error.type, meta.error.stage) == ("FileNotFoundError", "build")
     assert "no data at /nonexistent" in meta.error.message and "Traceback" in meta.error.traceback
 
 
 def test_keyed_draws_depend_on_a_samples_place_alone(tmp_path):
     path = job_file(tmp_path, "Augmented", n=16)
-    _, together = batch_of(produce(Task(1, path, 0, 0, 0, [3, 4, 5], 99, places=[30, 40, 50])))
-    _, alone = batch_of(produce(Task(1, path, 0, 1, 7, [4], 99, places=[40])))  # another epoch, batch, process state
+    _, together = batch_of(produce(Task(Key(0, 0, 0, 1), path, [3, 4, 5], 99, places=[30, 40, 50])))
+    _, alone = batch_of(produce(Task(Key(1, 7, 0, 1), path, [4], 99, places=[40])))  # another epoch, batch, process state
     assert torch.equal(together["x"][1], alone["x"][0])
-    _, moved = batch_of(produce(Task(1, path, 0, 0, 1, [4], 99, places=[41])))
+    _, moved = batch_of(produce(Task(Key(0, 1, 0, 1), path, [4], 99, places=[41])))
     assert not torch.equal(moved["x"][0], alone["x"][0])
 
 
@@ -80,8 +81,8 @@ def _draw_in_worker_init(worker_id: int) -> None:
 def test_a_worker_init_fn_that_only_draws_leaves_the_draws_keyed(tmp_path):
     keyed = job_file(tmp_path, "Augmented", n=16)
     drawing = job_file(tmp_path, "Augmented", "drawing.pb", worker_init_fn=_draw_in_worker_init, n=16)
-    _, want = batch_of(produce(Task(1, keyed, 0, 0, 0, [3, 4], 99, places=[30, 40])))
-    _, got = batch_of(produce(Task(2, drawing, 0, 0, 0, [3, 4], 99, places=[30, 40])))
+    _, want = batch_of(produce(Task(Key(0, 0, 0, 1), keyed, [3, 4], 99, places=[30, 40])))
+    _, got = batch_of(produce(Task(Key(0, 0, 0, 2), drawing, [3, 4], 99, places=[30, 40])))
     assert torch.equal(got["x"], want["x"])
     process = runtime.current()
     assert process.contexts[process.current].users == frozenset()
@@ -108,12 +109,12 @@ def _burning_collate(samples):
 def test_a_batch_says_where_its_process_spent_its_time(tmp_path):
     # issue 56: the dataset's own code (wall and CPU: sleeping is waiting, not computing), collate_fn, Dpex's rest.
     slow = job_file(tmp_path, "Slow", n=8, delay_s=0.02)
-    meta, _ = batch_of(produce(Task(1, slow, 0, 0, 0, [0, 1, 2, 3])))
+    meta, _ = batch_of(produce(Task(Key(0, 0, 0, 1), slow, [0, 1, 2, 3])))
     st = meta.stages
     assert st.dataset_s >= 0.08 and st.dataset_cpu_s < st.dataset_s / 2
     assert st.collate_s < 0.05 and st.dpex_s >= 0
     burning = job_file(tmp_path, "Squares", "burning.pb", collate_fn=_burning_collate, n=8)
-    meta, batch = batch_of(produce(Task(2, burning, 0, 0, 0, [0, 1])))
+    meta, batch = batch_of(produce(Task(Key(0, 0, 0, 2), burning, [0, 1])))
     st = meta.stages
     assert st.collate_cpu_s >= 0.05 and st.collate_s >= st.collate_cpu_s * 0.9 and st.dataset_s < st.collate_s
     assert batch["y"].tolist() == [0, 1]

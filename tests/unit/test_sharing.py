@@ -7,7 +7,7 @@ from dpex.plan.spec import share_digest
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, parse_frame
-from dpex.worker.runners import Key
+from dpex.worker.batchkey import Key
 from dpex.worker.runtime import Task
 from dpex.worker.sharing import Shared, content_key
 
@@ -81,11 +81,11 @@ def test_a_hand_off_file_is_copied_before_its_own_trainer_takes_it(tmp_path):
 
 
 def test_equal_content_has_one_key_and_any_difference_another():
-    task = Task(1, "", 0, 2, 5, [4, 9], base_seed=11, places=[4, 9])
-    same = task._replace(job_id=2, consumer_index=1, seq=7, job_path="elsewhere")
+    task = Task(Key(2, 5, 0, 1), "", [4, 9], base_seed=11, places=[4, 9])
+    same = task._replace(key=Key(2, 7, 1, 2), job_path="elsewhere")  # another job's consumer and batch
     assert content_key(b"d", task) == content_key(b"d", same)
     for other in (task._replace(indices=[4, 8]), task._replace(places=[5, 9]), task._replace(base_seed=12),
-                  task._replace(epoch=3), task._replace(whole=True)):
+                  task._replace(key=task.key._replace(epoch=3)), task._replace(whole=True)):
         assert content_key(b"d", other) != content_key(b"d", task)
     assert content_key(b"e", task) != content_key(b"d", task)
 

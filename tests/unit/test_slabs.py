@@ -18,6 +18,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing.datasets import Squares
 from dpex.wire import decode, parse_frame
 from dpex.worker import runtime, slabs
+from dpex.worker.batchkey import Key
 from dpex.worker.runtime import Task, produce
 
 DIM = 8192  # 64 samples of 32 KiB: 2 MiB batches, over the 1 MiB hand-off threshold
@@ -79,7 +80,7 @@ def test_a_batch_is_stacked_into_its_file_and_decodes_as_torchs_default_collate(
     path, ds = job(tmp_path, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=200, dim=DIM)), Squares(200, DIM)
     for seq, first in enumerate((0, 64, 128)):
         indices = list(range(first, first + 64))
-        frame = produce(Task(1, path, 0, 0, seq, indices))
+        frame = produce(Task(Key(0, seq, 0, 1), path, indices))
         meta, batch = received(frame)
         want = default_collate([ds[i] for i in indices])
         assert meta.seq == seq and torch.equal(batch["x"], want["x"]) and torch.equal(batch["y"], want["y"])
@@ -93,7 +94,7 @@ def test_a_process_takes_its_own_spare_back_still_mapped(tmp_path, process):
     path = job(tmp_path, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=200, dim=DIM))
     mappings = []
     for seq in range(4):
-        back_as_spare(produce(Task(1, path, 0, 0, seq, list(range(64)))))
+        back_as_spare(produce(Task(Key(0, seq, 0, 1), path, list(range(64)))))
         mappings.append([slab.mapped for slab in runtime.current().slabs._mapped.values()] if runtime.current().slabs else [])
     # The copied first batch's file, then one file written in place, mapped once: not faulted in again.
     assert mappings[0] == [] and len(mappings[1]) == 1 and all(m == mappings[1] for m in mappings[1:])
@@ -103,7 +104,7 @@ def test_a_process_takes_its_own_spare_back_still_mapped(tmp_path, process):
 def test_a_head_too_large_for_its_room_takes_the_copy(tmp_path, process):
     path = job(tmp_path, dpex.DatasetSpec("tests.unit.test_slabs:Worded"))
     for seq in range(2):
-        frame = produce(Task(1, path, 0, 0, seq, list(range(64))))
+        frame = produce(Task(Key(0, seq, 0, 1), path, list(range(64))))
         _, (x, words) = received(frame)
         assert frame.offset == 0 and words[5] == "0005" * 500 and torch.equal(x[7], torch.full((DIM,), 7.0))
         del x
@@ -115,7 +116,7 @@ def test_a_batch_larger_than_the_last_takes_the_copy_and_the_next_fits(tmp_path,
     path, ds = job(tmp_path, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=200, dim=DIM)), Squares(200, DIM)
     offsets = []
     for seq, size in enumerate((40, 40, 64, 64, 40)):
-        frame = produce(Task(1, path, 0, 0, seq, list(range(size))))
+        frame = produce(Task(Key(0, seq, 0, 1), path, list(range(size))))
         _, batch = received(frame)
         assert torch.equal(batch["x"], default_collate([ds[i] for i in range(size)])["x"])
         offsets.append(frame.offset)
@@ -127,10 +128,10 @@ def test_a_batch_larger_than_the_last_takes_the_copy_and_the_next_fits(tmp_path,
 def test_a_file_somebody_removed_is_let_go(tmp_path, process):
     path = job(tmp_path, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=200, dim=DIM))
     for seq in range(2):
-        frame = produce(Task(1, path, 0, 0, seq, list(range(64))))
+        frame = produce(Task(Key(0, seq, 0, 1), path, list(range(64))))
     (held,) = runtime.current().slabs._mapped.values()
     os.unlink(frame.path)  # e.g. a trainer that forked while it had the file mapped
-    produce(Task(1, path, 0, 0, 2, list(range(64))))
+    produce(Task(Key(0, 2, 0, 1), path, list(range(64))))
     assert held not in runtime.current().slabs._mapped.values()
     del held  # the mapping goes with it: no file of the directory is held open
     fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
