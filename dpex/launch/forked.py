@@ -87,8 +87,6 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     # The trainer's objects are never collected here: none of its finalizers run
     # in this copy (it would close the trainer's things), and its pages stay shared.
     gc.freeze()
-    from dpex.worker.daemon import leave_main
-    leave_main()  # the trainer's script
     os.setsid()  # as the embedded dispatcher: a Ctrl-C to the trainer's process group is the trainer's
     stdlib.forget_forkserver()  # the trainer's is not this process's child: its streams start their own
     for sig in signal.valid_signals():  # the trainer's handlers are not ours

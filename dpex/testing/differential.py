@@ -7,8 +7,8 @@ or not) over random configurations (map-style or iterable, ``shuffle``, the
 user's generator or torch's global RNG, ``drop_last``, ``batch_size``
 including None, samplers and batch samplers, ``num_workers`` 0-3,
 ``persistent_workers``, ``in_order``, ``collate_fn``, ``worker_init_fn``,
-``cache``, ``share``), and a new loader's epoch in a child process, forked
-or spawned) run through ``torch.utils.data.DataLoader`` and
+``cache``, ``share``; and a new loader's epoch in a forked or spawned child
+process) run through ``torch.utils.data.DataLoader`` and
 ``DpexDataLoader`` side by side, as a hypothesis state machine: every
 output, every exception and every random generator's state after each step
 must be torch's. A failing program is shrunk by hypothesis; keep it as a

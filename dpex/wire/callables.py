@@ -92,7 +92,7 @@ def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
 
 
 _INSTALLED = ("site-packages", "dist-packages")
-_looked_at: list = [None, set()]  # the script's directory, and the modules ship_script_by_value decided on
+_decided: dict[str, set[tuple[str, int]]] = {}  # script directory -> modules ship_script_by_value decided on
 
 
 def _script_dir() -> str | None:
@@ -119,9 +119,7 @@ def ship_script_by_value() -> None:
     where = _script_dir()
     if where is None:
         return
-    if _looked_at[0] != where:
-        _looked_at[:] = [where, set()]
-    looked: set[tuple[str, int]] = _looked_at[1]  # modules decided on: each loader's iter() pickles anew
+    looked = _decided.setdefault(where, set())  # each loader's iter() pickles anew: each module is decided once
     registered = cloudpickle.list_registry_pickle_by_value()
     for name, module in list(sys.modules.items()):
         if (name, id(module)) in looked:

@@ -28,7 +28,6 @@ def forked_pool(config: WorkerConfig) -> BatchPool | None:
     torch's samplers): none of them imports torch again, as torch's
     DataLoader forks its workers. None where forking is not safe here: the
     server then spawns them."""
-    leave_main()
     from dpex.worker.server import check_code_source, check_data_paths
     check_code_source(config)  # a worker that would refuse to start forks nothing
     check_data_paths(config.data_paths)
@@ -44,6 +43,7 @@ def run(config: WorkerConfig, pool: BatchPool | None, ready_file: str | None) ->
     """Serves a worker of ``config`` (with ``pool``, or processes it spawns)
     until SIGTERM or SIGINT, writing ``ready_file`` once it serves. A worker
     that cannot start raises, its pool closed."""
+    leave_main()  # before the server, which starts streams' processes (and a spawned pool's)
     from dpex.worker.server import WorkerServer
     try:
         server = WorkerServer(config, pool=pool)
