@@ -24,6 +24,7 @@ from dpex.client.session import Session
 from dpex.client.stats import StatsMeter
 from dpex.errors import JOB_COLLECTED, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
+from dpex.wire.batchkey import EpochKey
 
 log = logging.getLogger("dpex.client")
 
@@ -73,7 +74,7 @@ class Epochs:
             base_seed, sampler, plan, streams = draw.plan()
             self.replicas = self.next_replicas()
             progress = Progress(num_streams=streams, starts=self.replicas if streams else {})
-        end_left((lane.job_id, session.consumer_index, epoch), session.client_id)  # this epoch, begun before
+        end_left(EpochKey(lane.job_id, session.consumer_index, epoch), session.client_id)  # this epoch, begun before
         num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resumed=resume is not None)
         fetcher = EpochFetcher(
             stub=session.stub, target=session.target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,

@@ -30,6 +30,7 @@ from dpex.client.ledger import Ledger
 from dpex.client.router import Router
 from dpex.client.stats import StatsMeter
 from dpex.client.streams import Received, StreamPool, drop_file
+from dpex.wire.batchkey import EpochKey
 
 log = logging.getLogger("dpex.client")
 
@@ -77,12 +78,12 @@ def describe(error: BaseException | None) -> str:
 # A Control's news names its epoch: a lane's results queue outlives an epoch, and a
 # left epoch's control thread may still speak (its end is pending) once the next is read.
 class _Owners(NamedTuple):
-    key: tuple[int, int, int]
+    key: EpochKey
     response: dpb.SyncConsumerResponse
 
 
 class _Failed(NamedTuple):
-    key: tuple[int, int, int]
+    key: EpochKey
     error: DpexError
 
 
@@ -93,15 +94,14 @@ _REFUSED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIE
 class Control:
     """Acks delivered batches and learns who owns the rest, off the hot path."""
 
-    def __init__(self, stub: Any, target: str, job_id: int, consumer_index: int, epoch: int,
+    def __init__(self, stub: Any, target: str, key: EpochKey,
                  results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
                  meter: StatsMeter | None = None, client_id: int = 0, job_key: bytes = b"") -> None:
         self._stub, self._target = stub, target
         self._meter = meter or StatsMeter()  # the trainer's measured need and wait, reported with each sync
         self._need = self._meter.recent_need
-        self._key = dict(job_id=job_id, job_key=job_key, consumer_index=consumer_index, epoch=epoch,
-                         client_id=client_id)
-        self.epoch_key = (job_id, consumer_index, epoch)
+        self._names = dict(key._asdict(), job_key=job_key, client_id=client_id)
+        self.key = key
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
         self._lock = threading.Lock()
@@ -129,7 +129,7 @@ class Control:
             acks, self._acks = self._acks, []
         try:
             return call(self._stub.SyncConsumer,
-                        dpb.SyncConsumerRequest(**self._key, delivered_seqs=acks, next_seq=self.next_seq,
+                        dpb.SyncConsumerRequest(**self._names, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s,
                                                 workers_needed=self._need(),
                                                 **dict(zip(("wait_fraction", "batches_per_s"),
@@ -153,11 +153,11 @@ class Control:
                     error = e if isinstance(e, DpexError) and not isinstance(e, DpexCancelledError) else \
                         DpexConnectionError(f"the epoch's control stream to {self._target} ended: "
                                             f"{type(e).__name__}: {e}")
-                    self._results.put(_Failed(self.epoch_key, error))
+                    self._results.put(_Failed(self.key, error))
                 return
             if response.owners_digest != digest:
                 digest = response.owners_digest
-                self._results.put(_Owners(self.epoch_key, response))
+                self._results.put(_Owners(self.key, response))
 
     def close(self, flush: bool) -> None:
         """Stops the thread; with ``flush``, sends the remaining acks first."""
@@ -200,7 +200,7 @@ class _Exit:
     by the reaper thread); a second caller waits until the first is done."""
 
     def __init__(self, control: Control, leave: Callable[[bool], None] | None, streams: StreamPool,
-                 key: tuple[int, int, int], client_id: int = 0, fetcher: Any = None) -> None:
+                 key: EpochKey, client_id: int = 0, fetcher: Any = None) -> None:
         self.control, self._leave = control, leave
         self._streams, self.key, self.client_id = streams, key, client_id
         self.fetcher = weakref.ref(fetcher) if fetcher is not None else lambda: None  # not kept alive here
@@ -229,7 +229,7 @@ class _Exit:
                 _live.discard(self)  # only now: end_left() waits for an end under way
 
 
-def end_left(key: tuple[int, int, int], client_id: int) -> None:
+def end_left(key: EpochKey, client_id: int) -> None:
     """Ends now, in this thread, this loader's (``client_id``'s) epoch ``key``
     (job, consumer, epoch) if one is not ended yet, told to the dispatcher
     before this returns: the same epoch planned again (resumed from a state
@@ -242,7 +242,7 @@ def end_left(key: tuple[int, int, int], client_id: int) -> None:
     for end in [e for e in list(_live) if e.key == key and e.client_id == client_id]:
         fetcher = end.fetcher()
         if fetcher is not None:
-            fetcher.close(f"epoch {key[2]} of job {key[0]} was begun again by this loader (a state dict loaded), "
+            fetcher.close(f"epoch {key.epoch} of job {key.job_id} was begun again by this loader (a state dict loaded), "
                           "which takes this iterator's place")
         end()  # its end may be the reaper's, under way: waited for
 
@@ -348,7 +348,6 @@ class EpochFetcher:
         dispatcher may have no live worker before the epoch fails (None: for ever)."""
         self._streams = streams
         self._results = streams.results
-        self._job_id, self._consumer, self._epoch = job_id, consumer_index, epoch
         self._job_key = job_key
         self._dataset = dataset
         self._window = window
@@ -367,9 +366,9 @@ class EpochFetcher:
         self._closed = False
         self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
-        self.key = (job_id, consumer_index, epoch)
+        self.key = EpochKey(job_id, consumer_index, epoch)
         streams.start_epoch(self.key)  # before the control thread, whose news must find it begun
-        self._control = Control(stub, target, job_id, consumer_index, epoch, self._results, retry_for_s, outage,
+        self._control = Control(stub, target, self.key, self._results, retry_for_s, outage,
                                 self._meter, client_id, job_key)
         self._control.next_seq = self._ledger.low
         self._exit = _Exit(self._control, leave, streams, self.key, client_id, self)
@@ -474,7 +473,7 @@ class EpochFetcher:
         missing = self._ledger.missing()
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         alive = self._router.workers_alive
-        return (f"job {self._job_id} consumer {self._consumer} epoch {self._epoch}: {what}; "
+        return (f"job {self.key.job_id} consumer {self.key.consumer_index} epoch {self.key.epoch}: {what}; "
                 f"{len(missing)} batches missing (seq {shown}); "
                 f"workers alive: {alive if alive >= 0 else 'unknown'}")
 
@@ -486,7 +485,7 @@ class EpochFetcher:
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
         if meta.HasField("error"):
-            error = rebuild(meta.error, batch=f"{self._epoch}/{self._consumer}/{meta.seq}")
+            error = rebuild(meta.error, batch=f"{self.key.epoch}/{self.key.consumer_index}/{meta.seq}")
             if meta.error.stage in _FATAL_STAGES:
                 self.close()
             raise BatchFailed(meta.seq, error)
@@ -496,7 +495,7 @@ class EpochFetcher:
         """One request per worker, naming every batch asked of it."""
         for address, seqs in asks.items():
             self._streams.send(address, wpb.FetchRequest(
-                job_id=self._job_id, job_key=self._job_key, consumer_index=self._consumer, epoch=self._epoch,
+                job_id=self.key.job_id, job_key=self._job_key, consumer_index=self.key.consumer_index, epoch=self.key.epoch,
                 seq=seqs[0], more_seqs=seqs[1:]))
 
     def _handle(self, got: Any) -> bool:
@@ -532,7 +531,7 @@ class EpochFetcher:
         if got.meta is None:  # it did not parse (dpex.client.streams parsed it)
             return self._corrupt_frame(got.address, None, got.error)
         meta, payload = got.meta, got.payload
-        if (meta.job_id, meta.consumer_index, meta.epoch) != (self._job_id, self._consumer, self._epoch):
+        if EpochKey.of(meta) != self.key:
             drop_file(meta)
             return False  # from an earlier epoch or loader
         seq = meta.seq
@@ -589,8 +588,8 @@ class EpochFetcher:
         what = f"batch {seq}" if seq is not None else "a frame"
         if count >= _MAX_CORRUPT:
             self.close()
-            raise DpexWireError(f"worker {address} sent {count} corrupt batch frames in epoch {self._epoch} "
-                                f"of job {self._job_id} (last: {what}: {error})")
+            raise DpexWireError(f"worker {address} sent {count} corrupt batch frames in epoch {self.key.epoch} "
+                                f"of job {self.key.job_id} (last: {what}: {error})")
         log.warning("worker %s sent a corrupt frame (%s: %s); asking for it again", address, what, error)
         if seq is None:  # which batch it was is unknown: ask again for all that worker owes us
             self._restart_stream(address)

@@ -19,6 +19,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.errors import DpexWireError
 from dpex.rpc import channel
 from dpex.wire import parse_frame
+from dpex.wire.batchkey import EpochKey
 from dpex import shm
 from dpex.shm import host_id
 from dpex.wire.pairing import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA
@@ -153,9 +154,9 @@ class StreamPool:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._epoch: tuple[int, int, int] | None = None  # (job, consumer, epoch) being fetched
+        self._epoch: EpochKey | None = None  # being fetched
 
-    def start_epoch(self, key: tuple[int, int, int]) -> None:
+    def start_epoch(self, key: EpochKey) -> None:
         with self._lock:
             self._epoch = key
 
@@ -167,12 +168,12 @@ class StreamPool:
             meta, payload = parse_frame(received.frame)
         except DpexWireError as e:
             return received._replace(error=e)
-        if (meta.job_id, meta.consumer_index, meta.epoch) == self._epoch:
+        if EpochKey.of(meta) == self._epoch:
             return received._replace(meta=meta, payload=payload)
         drop_file(meta)
         return None
 
-    def end_epoch(self, key: tuple[int, int, int]) -> None:
+    def end_epoch(self, key: EpochKey) -> None:
         """The epoch ended or was left: the frames queued for it go now (unless
         a newer epoch started meanwhile: its fetcher drops what is not its own).
         The rest stays: a left epoch is ended from another thread (dpex.client.fetcher's

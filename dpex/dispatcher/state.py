@@ -178,10 +178,6 @@ class Split:
     def num_batches(self) -> int:
         return self.plan.split_batches(self.index)
 
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.epoch, self.first_seq, self.consumer_index)
-
 
 @dataclass
 class Job:

@@ -12,7 +12,7 @@ from typing import Callable, Collection
 
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.queues import Queues
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runners import Held
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from dpex.worker.budget import Budget, Consumer, Turns
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.wire import build_frame, parse_frame
 from dpex.worker import stream
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import EpochKey, Key
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.pool import BatchPool, crash_frame
 from dpex.worker.runtime import Task, produce
@@ -141,7 +141,7 @@ class MapRunner:
                 frame = crash_frame(task, e, worker_address, death=pool.death())
             made.set_result(frame)
         # A consumer's epoch cycles through the processes, as torch's index queues.
-        pool.submit(produce, task, lane=(key.job_id, key.consumer_index, key.epoch),
+        pool.submit(produce, task, lane=key.epoch_key,
                     passing=passing).add_done_callback(done)
         return made
 
@@ -215,7 +215,7 @@ class Held:
         self._by_id: dict[int, SplitRunner] = {}
         self._by_key: dict[Key, MapRunner] = {}
         # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
-        self._streams: dict[tuple[int, int, int], tuple[int, dict[int, StreamRunner]]] = {}
+        self._streams: dict[EpochKey, tuple[int, dict[int, StreamRunner]]] = {}
         self._unknown: dict[Key, tuple[float, list[Sink]]] = {}  # key -> (asked at, requests)
 
     def __contains__(self, split_id: int) -> bool:
@@ -243,7 +243,7 @@ class Held:
         split = runner.split
         self._by_id[split.split_id] = runner
         if split.num_streams:
-            group = (split.job_id, split.consumer_index, split.epoch)
+            group = EpochKey(split.job_id, split.consumer_index, split.epoch)
             self._streams.setdefault(group, (split.num_streams, {}))[1][split.first_seq] = runner
         else:
             self._by_key.update((key, runner) for key in runner.keys)
@@ -257,7 +257,7 @@ class Held:
             return None
         split = runner.split
         if split.num_streams:
-            group = (split.job_id, split.consumer_index, split.epoch)
+            group = EpochKey(split.job_id, split.consumer_index, split.epoch)
             by_stream = self._streams.get(group, (0, {}))[1]
             by_stream.pop(split.first_seq, None)
             if not by_stream:
@@ -272,7 +272,7 @@ class Held:
         runner = self._by_key.get(key)
         if runner is not None:
             return runner
-        n, by_stream = self._streams.get((key.job_id, key.consumer_index, key.epoch), (0, {}))
+        n, by_stream = self._streams.get(key.epoch_key, (0, {}))
         return by_stream.get(seqs.stream_of(key.seq, n)[0]) if n else None
 
     def waited(self, key: Key) -> bool:

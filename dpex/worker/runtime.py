@@ -19,7 +19,7 @@ from dpex import errors, seeding, torch_private
 from dpex.procutil import die_with_parent, map_big_buffers
 from dpex import shm
 from dpex.shm import Handoff
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 
 _MAX_CACHED_JOBS = 8
 

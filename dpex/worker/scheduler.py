@@ -34,7 +34,7 @@ from dpex.worker.planner import Planner
 from dpex.worker.pool import BatchPool
 from dpex.worker.queues import Queues
 from dpex.worker import runners
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runners import Frame, Held, MapRunner, Sink, SplitRunner
 from dpex.worker.samples import tiers_bytes
 from dpex.worker.sharing import Shared, content_key

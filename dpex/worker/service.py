@@ -24,7 +24,7 @@ from dpex import shm
 from dpex.worker.dataport import DataPort, Sender
 from dpex.shm import Handoff
 from dpex.wire.pairing import HOST_METADATA, KEY_METADATA, PORT_METADATA, REQUEST_METADATA
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.scheduler import Scheduler
 
 log = logging.getLogger("dpex.worker")

@@ -22,7 +22,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts
 from dpex import seeding, stdlib, wire
 from dpex.worker import runtime
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 
 log = logging.getLogger("dpex.worker")
 

@@ -2,7 +2,7 @@
 from dpex.worker import picking
 from dpex.worker.budget import Budget
 from dpex.worker.queues import Queues
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runners import Held
 
 

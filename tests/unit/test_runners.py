@@ -10,7 +10,7 @@ import pytest
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import wait_until
 from dpex.wire import decode, parse_frame
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runners import MapRunner, StreamRunner
 from dpex.worker.scheduler import Scheduler
 from tests.unit.batches import job_file

@@ -12,7 +12,7 @@ from dpex.proto import worker_pb2 as wpb
 from dpex.testing.datasets import Squares, WorkerProbe, record_worker_init
 from dpex.wire import decode, parse_frame
 from dpex.worker import runtime
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runtime import Task, produce
 from tests.unit.batches import job_file
 

@@ -6,7 +6,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import wait_until
 from dpex.wire import decode, parse_frame
 from dpex.worker.pool import BatchPool
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.scheduler import Scheduler
 from tests.unit.batches import job_file
 

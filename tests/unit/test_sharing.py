@@ -7,7 +7,7 @@ from dpex.plan.spec import share_digest
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import build_frame, parse_frame
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runtime import Task
 from dpex.worker.sharing import Shared, content_key
 

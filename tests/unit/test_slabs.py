@@ -18,7 +18,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing.datasets import Squares
 from dpex.wire import decode, parse_frame
 from dpex.worker import runtime, slabs
-from dpex.worker.batchkey import Key
+from dpex.wire.batchkey import Key
 from dpex.worker.runtime import Task, produce
 
 DIM = 8192  # 64 samples of 32 KiB: 2 MiB batches, over the 1 MiB hand-off threshold
