@@ -4,7 +4,6 @@ import itertools
 import os
 import socket
 import subprocess
-import sys
 
 import grpc
 import pytest
@@ -15,10 +14,11 @@ from dpex.version import versions
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import CHANNEL_OPTIONS, channel
 from dpex.testing import wait_until
+from tests.integration import commands
+from tests.integration.commands import command
 
 TOKEN = "s3cret-token"
 SPEC = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=8)
-BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,7 @@ def secured():
 
 
 def run(*args, env=None):
-    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True, text=True, timeout=60,
-                          env={**{k: v for k, v in os.environ.items() if k != "DPEX_AUTH_TOKEN"}, **(env or {})})
+    return commands.run(*args, env=env, unset=("DPEX_AUTH_TOKEN",))
 
 
 def test_the_right_token_works_end_to_end(secured):
@@ -89,7 +88,7 @@ def host_ip():
 @pytest.mark.parametrize("allow", [False, True])
 def test_without_a_token_jobs_come_only_from_loopback(tmp_path, allow):
     ready = tmp_path / "ready"
-    args = [os.path.join(BIN, "dpex-dispatcher"), "--host", "0.0.0.0", "--port", "0", "--ready-file", str(ready)]
+    args = [command("dpex-dispatcher"), "--host", "0.0.0.0", "--port", "0", "--ready-file", str(ready)]
     proc = subprocess.Popen(args + (["--allow-unauthenticated"] if allow else []), stderr=subprocess.PIPE, text=True,
                             env={k: v for k, v in os.environ.items() if k != "DPEX_AUTH_TOKEN"})
     try:

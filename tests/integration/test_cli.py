@@ -3,19 +3,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 import dpex
 from dpex.testing import status_tables as tables, test_cluster, wait_until
-
-BIN = os.path.dirname(sys.executable)
-
-
-def run(*args, env=None, timeout=60):
-    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+from tests.integration.commands import command, run
 
 
 @pytest.mark.parametrize("cmd,words", [
@@ -90,7 +83,7 @@ def test_bad_flag_values_are_reported():
 
 def test_dispatcher_reads_its_port_from_the_environment(tmp_path):
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([os.path.join(BIN, "dpex-dispatcher"), "--ready-file", str(ready)],
+    proc = subprocess.Popen([command("dpex-dispatcher"), "--ready-file", str(ready)],
                             env={**os.environ, "DPEX_PORT": "0", "DPEX_HOST": "127.0.0.1"},
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -157,7 +150,7 @@ def test_a_burst_of_sigterms_stops_a_daemon(tmp_path):
     # supervisor send theirs: a handler run inside another must not deadlock.
     for attempt in range(5):
         ready = tmp_path / f"ready-{attempt}"
-        proc = subprocess.Popen([os.path.join(BIN, "dpex-dispatcher"), "--port", "0", "--host", "127.0.0.1",
+        proc = subprocess.Popen([command("dpex-dispatcher"), "--port", "0", "--host", "127.0.0.1",
                                  "--ready-file", str(ready)], stderr=subprocess.DEVNULL)
         try:
             wait_until(ready.exists, 30, "the dispatcher to serve")
@@ -178,7 +171,7 @@ def test_a_failure_names_the_flags_set_from_the_environment(tmp_path):
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        out = subprocess.run([os.path.join(BIN, "dpex-worker"), "--dispatcher", "127.0.0.1:1",
+        out = subprocess.run([command("dpex-worker"), "--dispatcher", "127.0.0.1:1",
                               "--connect-timeout", "1"], env={**os.environ, "DPEX_PORT": str(port),
                                                               "DPEX_HOST": "127.0.0.1"},
                              capture_output=True, text=True, timeout=120)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import dpex
 from dpex.testing import datasets, oracle_context, test_cluster
+from dpex.testing.compare import read_epochs
 
 N, B = 96, 8
 SPEC = dpex.DatasetSpec("dpex.testing.datasets:Augmented", n=N)
@@ -42,19 +43,9 @@ def epochs(address, n_epochs=2, stop_at=None, state=None, on_batch=None, **kw):
     """The batches of ``n_epochs`` epochs (shuffled, seeded, mixed by collate):
     all of them, or the first ``stop_at`` and a state dict."""
     kw = dict(dict(batch_size=B, shuffle=True, seed=5, collate_fn=datasets.mixup, timeout=60), **kw)
-    got = []
     with dpex.RemoteDataLoader(address, kw.pop("dataset", SPEC), **kw) as dl:
-        if state is not None:
-            dl.load_state_dict(state)
-        start = state["epochs_started"] - (state["epoch"] is not None) if state else 0
-        for _ in range(start, n_epochs):
-            for batch in dl:
-                got.append(plain(batch))
-                if on_batch is not None:
-                    on_batch(len(got))
-                if len(got) == stop_at:
-                    return got, dl.state_dict()
-    return got, None
+        return read_epochs(dl, n_epochs, value=lambda _, batch: plain(batch), stop_at=stop_at, state=state,
+                           on_batch=on_batch)
 
 
 def by_index(batches):

@@ -22,6 +22,7 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import channel
 from dpex.testing import datasets, test_cluster, wait_until
+from dpex.testing.compare import read_epochs
 
 N, B, EPOCHS = 103, 4, 3
 SPEC = dpex.DatasetSpec("dpex.client.sampling:Indices", N)
@@ -105,17 +106,9 @@ def run(address, kwargs, stop_at=None, state=None):
     if isinstance(kwargs.get("sampler"), Rotating):  # and from a new sampler: its state comes from the state dict
         kwargs["sampler"] = Rotating()
     dataset = kwargs.pop("dataset", SPEC)
-    got, sd = [], None
     with dpex.RemoteDataLoader(address, dataset, batch_size=B, timeout=60, **kwargs) as dl:
-        if state is not None:
-            dl.load_state_dict(state)
-        start = state["epochs_started"] - (state["epoch"] is not None) if state else 0
-        for epoch in range(start, EPOCHS):
-            for batch in dl:
-                got.append((epoch, plain(batch)))
-                if len(got) == stop_at:
-                    return got, dl.state_dict()
-    return got, sd
+        return read_epochs(dl, EPOCHS, value=lambda epoch, batch: (epoch, plain(batch)), stop_at=stop_at,
+                           state=state)
 
 
 @pytest.fixture(scope="module")

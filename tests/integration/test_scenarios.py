@@ -14,18 +14,18 @@ import pytest
 from dpex import DpexDataLoader
 from dpex.launch import embedded
 from dpex.testing import descendants, pids_alive, wait_until
+from tests.integration.commands import command
 from dpex.testing.datasets import Squares
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "train_digits.py")
-BIN = os.path.dirname(sys.executable)
 
 
 def train(cluster, tmp_path, mode, distribute, *extra, check=True):
     out = tmp_path / f"{mode}-{distribute}.json"
     args = ["--mode", mode, "--epochs", "1", "--out", str(out), *extra] + (["--distribute"] if distribute else [])
     # --log-dir: else torchrun leaves a torchelastic_* directory in /tmp
-    cmd = ([os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "--log-dir",
+    cmd = ([command("torchrun"), "--standalone", "--nproc_per_node=2", "--log-dir",
             str(tmp_path / "elastic"), SCRIPT] if mode == "ddp"
            else [sys.executable, SCRIPT]) + args
     env = {**os.environ, "DPEX_DISPATCHER": cluster.address, "OMP_NUM_THREADS": "1"}

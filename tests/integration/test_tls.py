@@ -1,13 +1,11 @@
 """TLS on every port, with a CA and a server certificate the test makes."""
 import os
-import subprocess
-import sys
 
 import pytest
 import dpex
 from dpex.testing.pki import write_pki
+from tests.integration.commands import run
 
-BIN = os.path.dirname(sys.executable)
 TOKEN = "tls-and-token"
 
 
@@ -39,13 +37,11 @@ def test_plaintext_or_an_untrusted_ca_cannot_connect(tls_cluster, pki, ca, monke
 
 
 def test_status_over_tls(tls_cluster, pki):
-    env = {**os.environ, "DPEX_AUTH_TOKEN": TOKEN}
-    out = subprocess.run([os.path.join(BIN, "dpex"), "status", "--dispatcher", tls_cluster.address,
-                          "--tls-ca", pki[2]], capture_output=True, text=True, env=env, timeout=60)
+    out = run("dpex", "status", "--dispatcher", tls_cluster.address, "--tls-ca", pki[2],
+              env={"DPEX_AUTH_TOKEN": TOKEN})
     assert out.returncode == 0 and "WORKERS (2 alive, 0 lost, 0 left)" in out.stdout, out.stderr
 
 
 def test_a_key_without_a_certificate_is_a_clear_error(pki):
-    out = subprocess.run([os.path.join(BIN, "dpex-dispatcher"), "--port", "0", "--tls-key", pki[1]],
-                         capture_output=True, text=True, timeout=60)
+    out = run("dpex-dispatcher", "--port", "0", "--tls-key", pki[1])
     assert out.returncode == 1 and "TLS needs both --tls-cert and --tls-key" in out.stderr

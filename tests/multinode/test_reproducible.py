@@ -19,25 +19,16 @@ TRAINER = """
 import json, sys
 import dpex
 from dpex.testing import datasets
+from dpex.testing.compare import read_epochs
 
 address = sys.argv[1]
 spec = dpex.DatasetSpec("dpex.testing.datasets:Augmented", n=96)
 
 def epochs(where, stop_at=None, state=None, on_batch=None):
-    got = []
     with dpex.RemoteDataLoader(where, spec, batch_size=8, shuffle=True, seed=5, collate_fn=datasets.mixup,
                                timeout=60) as dl:
-        if state is not None:
-            dl.load_state_dict(state)
-        start = state["epochs_started"] - (state["epoch"] is not None) if state else 0
-        for _ in range(start, 2):
-            for batch in dl:
-                got.append({k: v.tolist() for k, v in batch.items()})
-                if on_batch is not None:
-                    on_batch(len(got))
-                if len(got) == stop_at:
-                    return got, dl.state_dict()
-    return got, None
+        return read_epochs(dl, 2, value=lambda _, batch: {k: v.tolist() for k, v in batch.items()},
+                           stop_at=stop_at, state=state, on_batch=on_batch)
 
 def kill(count):  # the test kills worker1's daemon, then says so
     if count == 4:
