@@ -1,23 +1,34 @@
-"""The worker's scheduler, with a real process pool: memory stays bounded by
-the buffer, requested batches still get produced, released work is dropped."""
+"""The worker's scheduler on a pool run by hand (tests.unit.batches.ManualPool):
+which batches it starts and when, that memory stays bounded by the buffer,
+that requested batches still get made, that released work is dropped.
+A batch is made only when the test says: no process, nothing timed.
+(The scheduler over the real process pool: tests/unit/test_runners.py.)"""
 import pytest
 
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.testing import wait_until
 from dpex.wire import decode, parse_frame
-from dpex.worker.pool import BatchPool
-from dpex.wire.batchkey import Key
+from dpex.wire.batchkey import EpochKey, Key
 from dpex.worker.scheduler import Scheduler
-from tests.unit.batches import job_file
+from tests.unit.batches import ManualPool, job_file
 
 BUFFER = 3
 
 
 @pytest.fixture
-def scheduler(pool, tmp_path):
+def pool():
+    return ManualPool()
+
+
+def make(pool, tmp_path, **kw):
     path = job_file(tmp_path, "Squares", n=100)
-    s = Scheduler(pool, lambda job_id: path, buffer_batches=BUFFER, max_inflight=2,
-                  worker_address="test-worker", unknown_grace_s=0.3)
+    kw = dict(dict(buffer_batches=BUFFER, max_inflight=2, worker_address="test-worker", unknown_grace_s=0.3), **kw)
+    return Scheduler(pool, lambda job_id: path, **kw)
+
+
+@pytest.fixture
+def scheduler(pool, tmp_path):
+    s = make(pool, tmp_path)
     yield s
     s.close()
 
@@ -36,70 +47,100 @@ def key(seq, job_id=9):
     return Key(epoch=0, seq=seq, consumer_index=0, job_id=job_id)
 
 
-def test_buffer_bounds_what_is_produced_ahead(scheduler):
+def seqs(frames):
+    return [parse_frame(f)[0].seq for f in frames]
+
+
+def drive(pool, until, what):
+    """Makes every batch the scheduler starts, as it starts them, until ``until()``."""
+    while True:
+        wait_until(lambda: until() or pool.running(), what=what)
+        if until():
+            return
+        pool.finish()
+
+
+def test_buffer_bounds_what_is_produced_ahead(scheduler, pool):
     scheduler.add_split(split())
-    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
-    assert scheduler.depth() == (BUFFER, 0)  # and no more is started
+    assert pool.wait_running(2) == [0, 1]  # max_inflight at a time
+    pool.finish()
+    assert pool.wait_running(1) == [2]  # two ready, the buffer's third
+    pool.finish()
+    assert scheduler.depth() == (BUFFER, 0) and pool.started == [0, 1, 2]  # and no more is started
     # The split still has batches to produce, but its consumer holds its whole
     # share: the worker takes other splits rather than wait for it.
     assert scheduler.free_capacity(4) == (4, [(9, 0)])  # and none of its splits
     got = []
     scheduler.request(key(0), got.append)
+    assert seqs(got) == [0]  # from the buffer, at once
     assert scheduler.free_capacity(4) == (3, [])  # room again: its split counts
+    assert pool.wait_running(1) == [3]
 
 
-def test_requested_batches_are_produced_beyond_the_buffer(scheduler):
+def test_a_consumers_epoch_is_one_lane_of_the_pool(scheduler, pool):
+    scheduler.add_split(split(n=4))
+    drive(pool, lambda: len(pool.started) == 3, "the buffer made")
+    assert pool.lanes == [EpochKey(9, 0, 0)] * 3  # its batches cycle through the processes, as torch's
+
+
+def test_requested_batches_are_produced_beyond_the_buffer(scheduler, pool):
     scheduler.add_split(split())
-    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    drive(pool, lambda: scheduler.depth() == (BUFFER, 0), "a full buffer")
     got = []
     scheduler.request(key(15), got.append)
-    wait_until(lambda: got, what="batch 15")
+    assert pool.wait_running(1) == [15]  # asked for: made beyond the buffer
+    pool.finish(15)
     meta, payload = parse_frame(got[0])
     assert meta.seq == 15 and decode(payload)["y"].tolist() == [30, 31]
     assert scheduler.depth() == (BUFFER, 0)
     scheduler.request(key(0), got.append)  # from the buffer at once
-    assert parse_frame(got[1])[0].seq == 0
-    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="the buffer to refill")
+    assert seqs(got) == [15, 0]
+    assert pool.wait_running(1) == [3]  # the buffer refills
 
 
-def test_released_and_unknown_batches_answer_not_assigned(scheduler):
+def test_released_and_unknown_batches_answer_not_assigned(scheduler, pool):
     got = []
     scheduler.request(key(50), got.append)  # no split holds it yet
     scheduler.add_split(split(split_id=2, first=40, n=2))
     scheduler.request(key(41), got.append)
-    # Batch 41 and the unknown batch's time-out come in either order (a loaded machine makes batches slowly)
-    wait_until(lambda: any(parse_frame(f)[0].seq == 41 for f in got), what="batch 41")
+    assert pool.wait_running(2) == [40, 41]
+    pool.finish(41)
+    assert 41 in seqs(got)  # (the unknown batch's time-out may have come first)
     scheduler.release([2])
     wait_until(lambda: len(got) == 2, what="the unknown batch to time out")
     answers = {parse_frame(f)[0].seq: parse_frame(f)[0] for f in got}
     assert answers[50].not_assigned and not answers[41].not_assigned
+    pool.finish(40)  # made after its split was released: dropped
+    assert len(got) == 2 and scheduler.depth() == (0, 0)
     scheduler.request(key(40), got.append)  # released: no longer ours
     wait_until(lambda: len(got) == 3, what="a not_assigned answer")
     assert parse_frame(got[2])[0].not_assigned
-    assert scheduler.held_split_ids() == []
+    assert scheduler.held_split_ids() == [] and sorted(pool.started) == [40, 41]
 
 
-def test_cancelled_stream_requests_are_forgotten(scheduler):
+def test_cancelled_stream_requests_are_forgotten(scheduler, pool):
     got = []
     scheduler.request(key(3), got.append)
     scheduler.cancel(got.append)
     scheduler.add_split(split(split_id=3, first=0, n=4))
-    wait_until(lambda: scheduler.depth()[0] == BUFFER, what="production")
-    assert got == []
+    drive(pool, lambda: scheduler.depth()[0] == BUFFER, "production")
+    assert pool.started == [0, 1, 2] and got == []  # batch 3 was not made first, nor sent
 
 
-def test_a_taken_over_split_produces_only_what_was_not_delivered(scheduler):
+def test_a_taken_over_split_produces_only_what_was_not_delivered(scheduler, pool):
     # A split taken from a lost worker: the trainer acknowledged seqs 0-2 already.
     taken = split()
     taken.delivered_seqs[:] = [0, 1, 2]
     scheduler.add_split(taken)
-    wait_until(lambda: scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    drive(pool, lambda: scheduler.depth() == (BUFFER, 0), "a full buffer")
+    assert pool.started == [3, 4, 5]  # produced ahead: delivered ones skipped
     got = []
     for seq in (3, 4, 5):
         scheduler.request(key(seq), got.append)
-    assert [parse_frame(f)[0].seq for f in got] == [3, 4, 5]  # produced ahead: delivered ones skipped
+    assert seqs(got) == [3, 4, 5]
     scheduler.request(key(1), got.append)  # a trainer resuming from a checkpoint may still ask
-    wait_until(lambda: len(got) == 4, what="delivered batch 1 asked again")
+    wait_until(lambda: 1 in pool.running(), what="delivered batch 1 asked again, made")
+    pool.finish(1)
     meta, payload = parse_frame(got[3])
     assert meta.seq == 1 and decode(payload)["y"].tolist() == [2, 3]
 
@@ -109,86 +150,78 @@ def test_a_newcomer_gets_its_share_of_memory_another_consumer_filled(pool, tmp_p
     # made ahead, then stopped asking (paused). Job 10 arrives: the memory is
     # split, job 9's batches over its share are evicted (made again if it
     # asks), job 10 produces ahead.
-    path = job_file(tmp_path, "Squares", n=100)
-
-    def scheduler(buffer_bytes):
-        return Scheduler(pool, lambda job_id: path, buffer_batches=4, max_inflight=2, worker_address="w",
-                         buffer_bytes=buffer_bytes)
-    s = scheduler(1 << 30)
+    s = make(pool, tmp_path, buffer_batches=4)
     try:  # each consumer has its own depth: both hold 4 while memory suffices
         s.add_split(split(split_id=1, job_id=9))
         s.add_split(split(split_id=2, job_id=10))
-        wait_until(lambda: held(s, 9)[0] == 4 and held(s, 10)[0] == 4, what="two full depths")
+        drive(pool, lambda: held(s, 9)[0] == 4 and held(s, 10)[0] == 4, "two full depths")
         size = held(s, 9)[1] // 4
     finally:
         s.close()
-    s = scheduler(4 * size + size // 2)  # memory for 4 such batches
+    pool = ManualPool()
+    s = make(pool, tmp_path, buffer_batches=4, buffer_bytes=4 * size + size // 2)  # memory for 4 such batches
     try:
         s.add_split(split(split_id=1, job_id=9))
-        wait_until(lambda: held(s, 9)[0] == 4, what="job 9 filling the memory")
+        drive(pool, lambda: held(s, 9)[0] == 4, "job 9 filling the memory")
         s.add_split(split(split_id=2, job_id=10))
-        wait_until(lambda: held(s, 10)[0] == 2, what="job 10's share")
-        assert held(s, 9)[0] == 2 and s.depth() == (4, 0)
+        # Its first batches, of a size not known yet, go over the bound for a moment; job 9's newest are evicted.
+        drive(pool, lambda: held(s, 10)[0] == 2 and held(s, 9)[0] == 2, "job 10's share, job 9's evicted")
+        assert s.depth() == (4, 0)
         got = []
         s.request(key(3, job_id=9), got.append)  # an evicted batch, asked for: made again
-        wait_until(lambda: got, what="evicted batch 3")
+        wait_until(lambda: 3 in pool.running(job_id=9), what="evicted batch 3 made again")
+        pool.finish(3, job_id=9)
         meta, payload = parse_frame(got[0])
         assert meta.seq == 3 and decode(payload)["y"].tolist() == [6, 7]
+        assert pool.started.count(3) == 2  # job 9's batch 3, twice (job 10's is not there yet)
     finally:
         s.close()
 
 
-def test_a_consumer_whose_streams_closed_holds_nothing(scheduler):
+def test_a_consumer_whose_streams_closed_holds_nothing(scheduler, pool):
     got = []
     scheduler.request(key(0), got.append)  # its stream asks for batch 0
     scheduler.add_split(split())
-    wait_until(lambda: got and scheduler.depth() == (BUFFER, 0), what="a full buffer")
+    drive(pool, lambda: got and scheduler.depth() == (BUFFER, 0), "a full buffer")
     scheduler.cancel(got.append)  # the stream closed: the trainer left
     assert scheduler.depth()[0] == 0 and held(scheduler, 9) == (0, 0)
     assert scheduler.free_capacity(4) == (4, [(9, 0)])  # an idle consumer's split keeps nothing out
+    assert pool.running() == []  # and nothing is made ahead for it meanwhile
     scheduler.request(key(5), got.append)   # it came back: produced on request, then ahead again
-    wait_until(lambda: len(got) == 2 and scheduler.depth()[0] == BUFFER, what="production again")
-    assert parse_frame(got[1])[0].seq == 5
+    drive(pool, lambda: len(got) == 2 and scheduler.depth()[0] == BUFFER, "production again")
+    assert seqs(got) == [0, 5] and pool.started[4] == 5  # the asked-for batch first
 
 
 @pytest.fixture
-def gated(tmp_path, request):
-    """A scheduler over 4 processes whose batches run until ``gate`` exists
-    (a buffer of 2 batches, or the test's indirect parameter)."""
-    gate = tmp_path / "gate"
-    path = job_file(tmp_path, "Gated", n=100, path=str(gate))
-    pool4 = BatchPool(4, "test-worker")
-    s = Scheduler(pool4, lambda job_id: path, buffer_batches=getattr(request, "param", 2), max_inflight=8,
-                  worker_address="w")
-    yield s, gate
-    gate.touch()
-    wait_until(lambda: s.depth()[1] == 0, what="the running batches to finish")
+def wide(pool, tmp_path, request):
+    """A scheduler that may run 8 batches at once (a buffer of 2 batches, or
+    the test's indirect parameter)."""
+    s = make(pool, tmp_path, buffer_batches=getattr(request, "param", 2), max_inflight=8)
+    yield s
     s.close()
-    pool4.close()
 
 
-def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_processes_busy(gated):
-    s, gate = gated
+def test_a_requested_batch_leaves_the_read_ahead_so_one_consumer_keeps_the_processes_busy(wide, pool):
+    s = wide
     s.add_split(split(n=20))
-    wait_until(lambda: s.depth() == (0, 2), what="the read-ahead running")
+    assert pool.wait_running(2) == [0, 1] and s.depth() == (0, 2)  # the read-ahead running
     assert s.free_capacity(4)[1] == [(9, 0)]  # its read-ahead is full: saturated
     freed, got = [], []
     s.on_capacity = lambda: freed.append(1)
     s.request(key(0), got.append)  # both already running ahead: asked for now, they
     s.request(key(1), got.append)  # count in the trainer's window, not the read-ahead
     assert not freed  # the room goes to the split's next batches: no new split needed yet
-    wait_until(lambda: s.depth() == (0, 4), what="two more started ahead")
-    gate.touch()
-    wait_until(lambda: len(got) == 2 and s.depth() == (2, 0), what="the requested sent, the read-ahead ready")
-    assert sorted(parse_frame(f)[0].seq for f in got) == [0, 1]  # as they finish: the trainer orders
+    assert pool.wait_running(4) == [0, 1, 2, 3]  # two more started ahead
+    pool.finish()
+    assert sorted(seqs(got)) == [0, 1] and s.depth() == (2, 0)  # the requested sent, the read-ahead ready
 
 
 # A buffer the consumer cannot fill (8 batches in all): it is never saturated,
 # however many of its batches the scheduler's thread has started ahead by the
-# time of each question (with a buffer of 2 it could be, on a loaded machine).
-@pytest.mark.parametrize("gated", [16], indirect=True)
-def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(gated):
-    s, gate = gated
+# time of each question.
+@pytest.mark.parametrize("wide", [16], indirect=True)
+def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(wide):
+    s = wide
     s.add_split(split(split_id=1, first=0, n=1))
     s.add_split(split(split_id=2, first=1, n=1))
     assert s.free_capacity(2) == (1, [])  # two splits held, two batches left for a pool that runs 8
@@ -196,12 +229,24 @@ def test_a_worker_takes_more_small_splits_while_its_pool_would_idle(gated):
     assert s.free_capacity(2) == (0, [])  # eight batches left: enough
 
 
-def test_a_saturated_consumer_with_nothing_left_to_make_lets_the_worker_take_its_splits(gated):
-    s, gate = gated
+def test_a_saturated_consumer_with_nothing_left_to_make_lets_the_worker_take_its_splits(wide, pool):
+    s = wide
     s.add_split(split(n=2))
-    wait_until(lambda: s.depth() == (0, 2), what="the read-ahead running")
+    assert pool.wait_running(2) == [0, 1] and s.depth() == (0, 2)  # the read-ahead running
     assert s.free_capacity(4)[1] == [(9, 0)]  # saturated, as reported
     freed = []
     s.on_capacity = lambda: freed.append(1)
     s.request(key(0), lambda frame: None)
     assert freed  # room, and nothing of it left here: the worker asks for its splits at once
+
+
+def test_a_failed_batch_is_its_error_frame_and_the_split_goes_on(scheduler, pool):
+    got = []
+    scheduler.add_split(split(n=4))
+    scheduler.request(key(0), got.append)
+    assert pool.wait_running(2) == [0, 1]
+    pool.finish(0, error=ValueError("bad sample"))  # a batch process's exception, as the pool raises it
+    meta = parse_frame(got[0])[0]
+    assert meta.seq == 0 and "bad sample" in meta.error.message
+    drive(pool, lambda: scheduler.depth()[0] == BUFFER, "the rest made ahead")
+    assert pool.started == [0, 1, 2, 3]
