@@ -17,15 +17,14 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections import Counter
 
 from dpex.errors import DpexAuthError
+from dpex.log import Seldom
 
 log = logging.getLogger("dpex.keys")
 
 SECRET_FILE = "keys.secret"
-_LOG_EVERY_S = 60.0
 
 
 def load_secret(work_dir: str | None) -> bytes:
@@ -75,18 +74,14 @@ class Refusals:
         self._log = logger
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
-        self._said: dict[str, float] = {}
+        self._seldom = Seldom()
 
     def refuse(self, reason: str, peer: str, message: str) -> DpexAuthError:
         """Counts and logs a refusal; the error to raise."""
-        now = time.monotonic()
         with self._lock:
             self.counts[reason] += 1
-            say = now - self._said.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S
-            if say:
-                self._said[reason] = now
             count = self.counts[reason]
-        if say:
+        if self._seldom.due(reason):
             self._log.warning("refused a call from %s (%s, %d so far): %s", peer, reason, count, message)
         return DpexAuthError(message)
 

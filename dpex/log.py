@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import threading
 import time
-from typing import Any
+from typing import Any, Hashable
 
 _context: dict[str, Any] = {}
 
@@ -23,6 +25,25 @@ def fields(**kv: Any) -> dict[str, Any]:
 def set_context(**kv: Any) -> None:
     """Fields added to every line of this process (e.g. the worker's id)."""
     _context.update(kv)
+
+
+class Seldom:
+    """When a message said again and again (a refusal, say) is due in the log:
+    at most once per ``every_s`` for each of its kinds."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._said: dict[Hashable, float] = {}
+
+    def due(self, kind: Hashable = None) -> bool:
+        """Whether to log a message of ``kind`` now (then it is counted as said)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._said.get(kind, -math.inf) < self.every_s:
+                return False
+            self._said[kind] = now
+            return True
 
 
 def _fields_of(record: logging.LogRecord) -> dict[str, Any]:

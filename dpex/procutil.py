@@ -37,6 +37,14 @@ def remove_dead_dirs(root: str, pattern: str) -> None:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid of the process that owns a Dpex directory named ``name`` (a
+    hand-off directory ``dpex-PID`` in /dev/shm, a ``dpex-KIND-PID-…`` temp
+    directory), else None."""
+    match = re.fullmatch(r"dpex-(?:[a-z]+-)?(\d+)(?:-.+)?", name)
+    return int(match.group(1)) if match else None
+
+
 def remove_dead_temp_dirs(kind: str) -> None:
     """Removes the ``dpex-KIND-PID-*`` directories of dead processes in the temp directory."""
     remove_dead_dirs(tempfile.gettempdir(), rf"dpex-{kind}-(\d+)-.+")

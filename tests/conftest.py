@@ -5,7 +5,6 @@ pytest-xdist's controller once every worker process is done (a worker
 process would see the other's live directories)."""
 import gc
 import os
-import re
 import sys
 import tempfile
 import time
@@ -49,9 +48,9 @@ def _others(paths: set[str], session: str) -> set[str]:
     dpex-worker, or another run beside the suite, is not a leak of the suite's."""
     owners: dict[str, set[int]] = {}
     for path in paths:
-        match = re.match(r"dpex-(?:[a-z]+-)?(\d+)(?:-|$)", os.path.basename(path))
-        if match:
-            owners[path] = {int(match.group(1))}
+        pid = procutil.owner_pid(os.path.basename(path))
+        if pid is not None:
+            owners[path] = {pid}
     semaphores = {p for p in paths if os.path.basename(p).startswith("sem.")}
     if semaphores:
         for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
-import time
 from collections import deque
 from concurrent.futures import Executor
 from typing import Callable
@@ -17,6 +15,7 @@ import grpc
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Malformed, parser, servicer_method
 from dpex import errors
+from dpex.log import Seldom
 from dpex.errors import DpexAuthError, DpexWorkerError
 from dpex.keys import Refusals
 from dpex.wire import build_frame, parse_frame
@@ -95,7 +94,7 @@ class StreamLimit:
         self.limit = limit
         self.count = 0
         self.refused = 0  # counted for dpex_worker_fetch_refused_total
-        self._said = -math.inf
+        self._seldom = Seldom()
 
     def open(self) -> bool:
         if self.count >= self.limit:
@@ -112,9 +111,7 @@ class StreamLimit:
         message = (f"worker {worker_address} serves at most {self.limit} open loaders (dpex-worker "
                    "--max-loaders) and all are open; close loaders no longer used (a loader keeps its "
                    "stream between epochs), start more workers or raise the limit")
-        now = time.monotonic()
-        if now - self._said >= 60.0:
-            self._said = now
+        if self._seldom.due():
             log.warning("refused a loader from %s: %d open loaders, the limit (--max-loaders); %d refused "
                         "so far", peer, self.count, self.refused)
         return message
