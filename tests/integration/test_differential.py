@@ -11,6 +11,9 @@ MAP = dict(iterable=False, length=20, batch_size=4, drop_last=False, shuffle=Tru
            share=True)
 
 
+# Its own limit: 300 programs are 2-3 minutes alone, up to 8 on a busy 2-core machine; the suite's 300 s
+# fired at random (an alarm inside a finalizer is swallowed, one in hypothesis's example is shrunk as flaky).
+@pytest.mark.timeout(900)
 def test_random_programs_behave_as_torchs(cluster):
     run(cluster.address, programs=300)
     assert Programs.programs >= 300
