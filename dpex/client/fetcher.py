@@ -480,8 +480,6 @@ class EpochFetcher:
     def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
         self._ledger.given(meta.seq, self._ordered)
-        if meta.HasField("stages"):  # where its batch process's time went
-            self._meter.stage(meta.stages)
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
         if meta.HasField("error"):
@@ -550,6 +548,7 @@ class EpochFetcher:
         if not ledger.is_new(seq):
             drop_file(meta)
             return False  # a duplicate (e.g. re-sent after a reconnect)
+        begun = time.perf_counter()
         if meta.shm_path:  # a same-host worker's hand-off file: map it, no copy
             try:
                 meta, payload = decode.mapped(meta)
@@ -576,6 +575,8 @@ class EpochFetcher:
                 batch = decode.batch(meta, payload)
             except DpexWireError as e:
                 return self._corrupt_frame(got.address, seq, e)
+        self._meter.received(got.address, meta.stages if meta.HasField("stages") else None, got.receive_s,
+                             time.perf_counter() - begun)
         ledger.receive(seq, (meta, batch, size))
         self._control.ack(seq)
         self._control.next_seq = ledger.low

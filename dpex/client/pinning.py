@@ -94,8 +94,9 @@ class _Pinner:
     """The thread's side; holds the fetcher, never the iterator that the
     trainer holds (so dropping that iterator stops this)."""
 
-    def __init__(self, epoch: Any, target: PinTarget, depth: int) -> None:
+    def __init__(self, epoch: Any, target: PinTarget, depth: int, meter: StatsMeter) -> None:
         self.epoch = epoch
+        self._meter = meter
         self.out: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._target = target
         self._stop = threading.Event()
@@ -116,7 +117,10 @@ class _Pinner:
                 except BatchFailed as failed:  # the loop's to raise, in its turn
                     self._put(failed)
                     continue
-                self._put((pin_memory(batch, self._target.device_type), nbytes, seq))
+                begun = time.perf_counter()
+                batch = pin_memory(batch, self._target.device_type)
+                self._meter.pinned(time.perf_counter() - begun)
+                self._put((batch, nbytes, seq))
         except BaseException as e:  # noqa: B036 - handed to the consumer, raised there
             end = _End(e)
         finally:
@@ -150,7 +154,7 @@ class PinnedEpoch:
     """An epoch's iterator whose batches arrive pinned (see module doc)."""
 
     def __init__(self, epoch: Any, target: PinTarget, depth: int, meter: StatsMeter) -> None:
-        self._pinner = _Pinner(epoch, target, depth)
+        self._pinner = _Pinner(epoch, target, depth, meter)
         self._key = epoch.key
         self._meter = meter
         self._done = False

@@ -1,15 +1,18 @@
-"""What a loader measures on the trainer's side: how fast batches come and
-how long the trainer waited for them; see :meth:`RemoteDataLoader.stats`."""
+"""What a loader measures on the trainer's side: how fast batches come, how
+long the trainer waited for them, where a batch's time went (in its batch
+process, on the wire, on the trainer) and, from those, the verdict and the
+what-if of dpex.bottleneck; see :meth:`RemoteDataLoader.stats`."""
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-INPUT_BOUND_WAIT_FRACTION = 0.1  # waiting more than this share of the time: data is the bottleneck
-MAX_SCALE_STEP = 4               # workers_needed is at most this many times the live workers
+from dpex import bottleneck
+from dpex.bottleneck import INPUT_BOUND_WAIT_FRACTION, MAX_SCALE_STEP, Figures
+
+__all__ = ["INPUT_BOUND_WAIT_FRACTION", "MAX_SCALE_STEP", "LoaderStats", "StatsMeter"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,18 @@ class LoaderStats:
     spent blocked in ``next()``. ``workers_needed`` is how many workers of
     the measured speed would keep the trainer from waiting, at most
     4 times the live workers (a step to take and measure again); ``advice``
-    says why, in words. ``stages``: the mean seconds a batch spent in its
-    batch process, by stage (``dataset`` and ``dataset_cpu``: the dataset's
+    says why, in words. ``stages``: the mean seconds a batch spent in each
+    stage: in its batch process (``dataset`` and ``dataset_cpu``: the dataset's
     own code, wall and CPU, wall well above CPU meaning it waits on storage or
-    the network; ``collate`` and ``collate_cpu``; ``dpex``: the rest, Dpex's
-    part), over the batches whose process timed them; empty before any.
+    the network, unless ``dataset_cpu_wait``, the part of the wall it waited
+    for a core, says the host's CPUs are oversubscribed; ``collate``,
+    ``collate_cpu``, ``collate_cpu_wait``; ``dpex``: the rest, Dpex's
+    part), over the batches whose process timed them; on the trainer
+    (``receive``: reading its frame off a worker's data socket, ``decode``,
+    ``pin``), over the batches received; a stage appears once measured.
+    ``bottleneck``: the verdict, a word of dpex.bottleneck.VERDICTS (``none``,
+    ``workers``, ``storage``, ``network``, ``trainer``, ``straggler``), and
+    ``bottleneck_reason`` its reason in words; :meth:`predict` the what-if.
     """
     batches: int
     bytes_received: int
@@ -38,23 +48,24 @@ class LoaderStats:
     workers_needed: int
     advice: str = ""
     stages: dict[str, float] = field(default_factory=dict)
+    bottleneck: str = "none"
+    bottleneck_reason: str = ""
+    figures: Figures | None = field(default=None, repr=False, compare=False)
+
+    def predict(self, workers: int) -> float:
+        """The batches/s the trainer would take with ``workers`` workers like
+        the live ones (dpex.bottleneck.predict: the model the autoscaler's
+        need comes from)."""
+        return bottleneck.predict(self.figures, workers) if self.figures is not None else 0.0
 
 
 # A batch process's stages (dpex.v1.StageTimes, without the _s), as LoaderStats.stages names them.
-STAGES = ("dataset", "dataset_cpu", "collate", "collate_cpu", "dpex")
+STAGES = ("dataset", "dataset_cpu", "dataset_cpu_wait", "collate", "collate_cpu", "collate_cpu_wait", "dpex")
+# The trainer's own: reading a frame off a data socket, decoding it (a same-host worker's file mapped), pinning.
+TRAINER_STAGES = ("receive", "decode", "pin")
 
 NEED_WINDOW_S = 10.0  # the need reported to the dispatcher is measured over about this much time
 FIRST_NEED_WINDOW_S = 3.0  # ... the first one over this much: a waiting trainer gets workers sooner
-
-
-def _need(alive: int, elapsed: float, wait: float) -> int:
-    """Workers of the measured speed that keep a trainer that waited ``wait``
-    of ``elapsed`` seconds from waiting (the alive ones if it hardly waited).
-    Workers deliver batches / elapsed; the trainer could take batches / computing."""
-    computing = elapsed - wait  # the trainer's own time between batches
-    if not (elapsed > 0 and wait / elapsed > INPUT_BOUND_WAIT_FRACTION and computing > 0):
-        return alive
-    return math.ceil(alive * elapsed / computing - 1e-9)
 
 
 class StatsMeter:
@@ -68,8 +79,11 @@ class StatsMeter:
         self.recent_rate = 0.0   # batches per second taken over the last window
 
     def _reset(self) -> None:
-        self._stage_sums = dict.fromkeys(STAGES, 0.0)
+        self._stage_sums = dict.fromkeys(STAGES + TRAINER_STAGES, 0.0)
         self._staged = 0  # batches whose stages were timed
+        self._received = 0  # batches received (their trainer stages timed)
+        self._timed: set[str] = set()  # the trainer stages measured at least once
+        self._by_worker: dict[str, list[float]] = {}  # address -> [seconds its batch processes took, batches]
         self._batches = self._bytes = 0
         self._elapsed = self._wait = 0.0
         self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
@@ -89,12 +103,28 @@ class StatsMeter:
             self._batches += 1
             self._bytes += nbytes
 
-    def stage(self, times: Any) -> None:
-        """Adds a batch's stage times (a dpex.v1.StageTimes) from its batch process."""
+    def received(self, address: str, times: Any | None, receive_s: float, decode_s: float) -> None:
+        """A batch received from worker ``address``: its batch process's stage
+        times (a dpex.v1.StageTimes; None: not timed), the seconds its frame
+        took to read off the data socket (0: it did not come on one) and to decode."""
         with self._lock:
-            for name in STAGES:
-                self._stage_sums[name] += getattr(times, f"{name}_s")
-            self._staged += 1
+            self._received += 1
+            self._stage_sums["receive"] += receive_s
+            self._stage_sums["decode"] += decode_s
+            self._timed.update(("decode",) + (("receive",) if receive_s else ()))
+            if times is not None:
+                for name in STAGES:
+                    self._stage_sums[name] += getattr(times, f"{name}_s")
+                self._staged += 1
+                made = self._by_worker.setdefault(address, [0.0, 0])
+                made[0] += times.dataset_s + times.collate_s + times.dpex_s
+                made[1] += 1
+
+    def pinned(self, seconds: float) -> None:
+        """A batch was pinned in ``seconds``."""
+        with self._lock:
+            self._stage_sums["pin"] += seconds
+            self._timed.add("pin")
 
     def recent(self) -> tuple[float, float]:
         """The share of time waiting and the batches per second over the last
@@ -114,36 +144,40 @@ class StatsMeter:
             if self._window[0] >= window and self.workers_alive > 0:
                 alive = self.workers_alive
                 elapsed, wait, batches = self._window
-                self._recent = min(_need(alive, elapsed, wait), MAX_SCALE_STEP * alive)
+                self._recent = bottleneck.need(Figures(batches, elapsed, wait, alive))
                 self.recent_wait, self.recent_rate = wait / elapsed, batches / elapsed
                 self._window = [0.0, 0.0, 0]
             return self._recent
 
+    def _stages(self) -> dict[str, float]:
+        stages = {name: self._stage_sums[name] / self._staged for name in STAGES} if self._staged else {}
+        stages.update((name, self._stage_sums[name] / self._received) for name in TRAINER_STAGES
+                      if name in self._timed and self._received)
+        return stages
+
     def stats(self, reset: bool = False) -> LoaderStats:
         with self._lock:
-            elapsed, wait, batches = self._elapsed, self._wait, self._batches
-            computing = elapsed - wait  # the trainer's own time between batches
-            fraction = wait / elapsed if elapsed > 0 else 0.0
-            alive = self.workers_alive
-            bound = fraction > INPUT_BOUND_WAIT_FRACTION
-            cap = MAX_SCALE_STEP * max(1, alive)
-            needed = _need(alive, elapsed, wait)
-            if not bound:
-                advice = f"not input-bound: the trainer waited {100 * fraction:.0f}% of the time"
-            elif needed > cap:
-                advice = (f"input-bound, and the trainer does almost no work between batches "
-                          f"({computing:.2f}s of {elapsed:.2f}s): more workers help until the network or the "
-                          f"trainer's receiving is the limit; try {cap} ({MAX_SCALE_STEP}x) and measure again")
-                needed = cap
-            else:
-                advice = (f"input-bound: the trainer waited {100 * fraction:.0f}% of the time; {needed} workers "
-                          f"of the measured speed would keep up")
-            result = LoaderStats(batches=batches, bytes_received=self._bytes, elapsed_s=elapsed, wait_s=wait,
-                                 batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
-                                 wait_fraction=fraction, input_bound=bound,
-                                 workers_alive=alive, workers_needed=needed, advice=advice,
-                                 stages={name: total / self._staged for name, total in self._stage_sums.items()}
-                                 if self._staged else {})
+            figures = Figures(self._batches, self._elapsed, self._wait, self.workers_alive, self._stages(),
+                              {a: t / n for a, (t, n) in self._by_worker.items() if n})
+            nbytes = self._bytes
             if reset:
                 self._reset()
-            return result
+        fraction, computing = figures.wait_fraction, figures.elapsed_s - figures.wait_s
+        cap = MAX_SCALE_STEP * max(1, figures.workers_alive)
+        needed = bottleneck.need(figures, capped=False)
+        if not figures.input_bound:
+            advice = f"not input-bound: the trainer waited {100 * fraction:.0f}% of the time"
+        elif needed > cap:
+            advice = (f"input-bound, and the trainer does almost no work between batches "
+                      f"({computing:.2f}s of {figures.elapsed_s:.2f}s): more workers help until the network or the "
+                      f"trainer's receiving is the limit; try {cap} ({MAX_SCALE_STEP}x) and measure again")
+            needed = cap
+        else:
+            advice = (f"input-bound: the trainer waited {100 * fraction:.0f}% of the time; {needed} workers "
+                      f"of the measured speed would keep up")
+        word, reason = bottleneck.verdict(figures)
+        return LoaderStats(batches=figures.batches, bytes_received=nbytes,
+                           elapsed_s=figures.elapsed_s, wait_s=figures.wait_s, batches_per_s=figures.rate,
+                           wait_fraction=fraction, input_bound=figures.input_bound,
+                           workers_alive=figures.workers_alive, workers_needed=needed, advice=advice,
+                           stages=figures.stages, bottleneck=word, bottleneck_reason=reason, figures=figures)

@@ -10,6 +10,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from typing import Any, Callable, NamedTuple
 
 import grpc
@@ -33,6 +34,7 @@ class Received(NamedTuple):
     error: BaseException | None = None  # why the stream failed, or (a frame) why it did not parse
     meta: wpb.Batch | None = None  # the frame's header, parsed once here (None: it did not parse)
     payload: Any = None            # the frame's payload, a view of it
+    receive_s: float = 0.0         # seconds its bytes took to read off the data socket (0: none came on one)
 
 
 def drop_file(meta: wpb.Batch) -> None:
@@ -59,13 +61,15 @@ def _connect(address: str, port: int, key: bytes) -> socket.socket:
     return sock
 
 
-def _follow(sock: socket.socket, pointer: bytes, read: Callable[[socket.socket, int], Any]) -> Any:
-    """The frame a pointer names, read from the data socket by ``read``; a
-    frame sent whole in gRPC as it is."""
+def _follow(sock: socket.socket, pointer: bytes, read: Callable[[socket.socket, int], Any]) -> tuple[Any, float]:
+    """The frame a pointer names, read from the data socket by ``read``, and
+    the seconds that took; a frame sent whole in gRPC as it is (0 s)."""
     meta, _ = parse_frame(pointer)
     if not meta.data_size:
-        return pointer
-    return read(sock, meta.data_size)
+        return pointer, 0.0
+    begun = time.perf_counter()
+    frame = read(sock, meta.data_size)
+    return frame, time.perf_counter() - begun
 
 
 class _Stream:
@@ -111,9 +115,10 @@ class _Stream:
                         self._pool.data_socket = False
                         raise
             for frame in self._call:
+                receive_s = 0.0
                 if self._sock is not None:
-                    frame = _follow(self._sock, frame, self._pool.read_frame)
-                received = self._pool.wanted(Received(self.address, frame))
+                    frame, receive_s = _follow(self._sock, frame, self._pool.read_frame)
+                received = self._pool.wanted(Received(self.address, frame, receive_s=receive_s))
                 if received is not None:
                     self._results.put(received)
             error: BaseException = ConnectionError(f"worker {self.address} closed the stream")

@@ -468,3 +468,44 @@ class Recorded(Dataset):
         finally:
             os.close(fd)
         return {"i": i, "x": torch.full((8,), float(i), dtype=torch.float64)}
+
+
+def _spin(cpu_s: float) -> None:
+    """Busy on this process's CPU for ``cpu_s`` seconds of its CPU time."""
+    import time
+    start = time.process_time()
+    while time.process_time() - start < cpu_s:
+        pass
+
+
+class Busy(Squares):
+    """Squares that take ``cpu_s`` of CPU per sample, like a heavy decode or augmentation."""
+
+    def __init__(self, n: int = 100, cpu_s: float = 0.01) -> None:
+        super().__init__(n)
+        self.cpu_s = cpu_s
+
+    def __getitem__(self, i: int) -> dict:
+        _spin(self.cpu_s)
+        return super().__getitem__(i)
+
+
+def busy_collate(samples: list, cpu_s: float = 0.05) -> dict:
+    """default_collate after ``cpu_s`` of CPU: a heavy collate_fn (bind ``cpu_s`` with functools.partial)."""
+    from torch.utils.data import default_collate
+    _spin(cpu_s)
+    return default_collate(samples)
+
+
+class SlowCopy(Squares):
+    """Squares whose worker's copy of the data is slow where the environment
+    variable ``var`` says so: a read sleeps that many seconds a sample there."""
+
+    def __init__(self, n: int = 100, var: str = "DPEX_TEST_SLOW_COPY_S") -> None:
+        super().__init__(n)
+        self.var = var
+
+    def __getitem__(self, i: int) -> dict:
+        import time
+        time.sleep(float(os.environ.get(self.var, "0")))
+        return super().__getitem__(i)

@@ -119,7 +119,8 @@ def test_loader_stats_tell_an_input_bound_trainer_from_a_compute_bound_one():
     assert slow.elapsed_s >= 19 * 0.1 and slow.wait_s < slow.elapsed_s / 2
     # Where the batch process's time went (issue 56): the dataset's code sleeps 40 ms a batch, computing little.
     assert fast.stages["dataset"] >= 0.9 * B * 0.01 and fast.stages["dataset_cpu"] < fast.stages["dataset"] / 2
-    assert set(fast.stages) == {"dataset", "dataset_cpu", "collate", "collate_cpu", "dpex"}
+    assert set(fast.stages) == {"dataset", "dataset_cpu", "dataset_cpu_wait", "collate", "collate_cpu", "collate_cpu_wait",
+                               "dpex", "decode"}  # same host: no receive
 
 
 def test_dispatcher_exports_the_workers_the_trainers_need(monkeypatch):

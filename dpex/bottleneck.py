@@ -1,0 +1,144 @@
+"""Where a trainer's time goes, as a verdict a user can act on, and what k
+workers would give: the one home of the arithmetic that ``loader.stats()``,
+the autoscaler's need (dpex.dispatcher.scaling takes the need the trainers
+report, computed here) and ``dpex status`` share, so that advice, prediction
+and scaling never disagree.
+
+The verdict is one word of a fixed vocabulary (:data:`VERDICTS`) with its
+reason in words, the first that holds of:
+
+- ``none``: the trainer hardly waits (at most 10 % of the time): its own step
+  is the limit, more workers buy nothing;
+- ``straggler``: one worker makes its batches much slower than its peers (2x
+  their median), and the trainer, which takes batches in order, waits for it;
+- ``network``: reading frames off the workers' data sockets takes half the
+  time between batches or more;
+- ``trainer``: decoding and pinning on the trainer take half the time it
+  waits or more;
+- ``storage``: the dataset's own code waits (its wall time, less the time it
+  waited for a core, twice its CPU time or more): more processes per worker
+  (``--processes``) help without more cores;
+- ``workers``: the workers' processes are busy: add workers; the reason gives
+  the shares of a batch's time in the dataset's code, collation and Dpex.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping
+
+VERDICTS = ("none", "workers", "storage", "network", "trainer", "straggler")
+
+INPUT_BOUND_WAIT_FRACTION = 0.1  # waiting more than this share of the time: data is the bottleneck
+MAX_SCALE_STEP = 4               # the need is at most this many times the live workers: a step, then measure
+STRAGGLER_RATIO = 2.0            # a worker this many times slower than its peers' median holds them back
+STORAGE_RATIO = 2.0              # the dataset's wall time this many times its CPU time: it waits
+SHARE = 0.5                      # a trainer-side stage this share of the time it bounds is the limit
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a trainer measured: ``batches`` taken in ``elapsed_s`` (inside
+    epochs), ``wait_s`` of it blocked in ``next()``; ``stages``: mean seconds
+    per batch by stage (the batch process's, as ``LoaderStats.stages`` names
+    them, and the trainer's ``receive``, ``decode``, ``pin``); ``per_worker``:
+    the mean seconds a batch took in its batch process, by worker address."""
+    batches: int
+    elapsed_s: float
+    wait_s: float
+    workers_alive: int
+    stages: Mapping[str, float] = field(default_factory=dict)
+    per_worker: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def input_bound(self) -> bool:
+        return self.wait_fraction > INPUT_BOUND_WAIT_FRACTION
+
+    @property
+    def rate(self) -> float:
+        """Batches per second the trainer took."""
+        return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def computing_s(self) -> float:
+        """The trainer's own time per batch, between batches (its step)."""
+        return (self.elapsed_s - self.wait_s) / self.batches if self.batches else 0.0
+
+
+def need(f: Figures, capped: bool = True) -> int:
+    """Workers of the measured speed that keep the trainer from waiting (the
+    live ones if it hardly waits): the fewest for which :func:`predict` reaches
+    the trainer's own limit; ``capped``: at most MAX_SCALE_STEP times the live ones."""
+    alive = f.workers_alive
+    computing = f.elapsed_s - f.wait_s
+    if not (f.input_bound and computing > 0):
+        return alive
+    wanted = math.ceil(alive * f.elapsed_s / computing - 1e-9)
+    return min(wanted, MAX_SCALE_STEP * max(1, alive)) if capped else wanted
+
+
+def predict(f: Figures, workers: int) -> float:
+    """The batches/s the trainer would take with ``workers`` workers like the
+    live ones: theirs scale with their number (each makes what it makes now),
+    up to what the trainer's own step allows. A trainer that hardly waits
+    shows no more of its workers' speed than its own: more of them give the
+    same; fewer, at least their share of today's rate."""
+    if f.batches == 0 or f.workers_alive == 0:
+        return 0.0
+    supply = f.rate * workers / f.workers_alive
+    if not f.input_bound:
+        return min(f.rate, supply)
+    computing = f.computing_s
+    return min(supply, 1 / computing) if computing > 0 else supply
+
+
+def verdict(f: Figures) -> tuple[str, str]:
+    """The verdict (a word of VERDICTS) and its reason in words."""
+    waited = f"the trainer waited {100 * f.wait_fraction:.0f}% of the time"
+    if not f.input_bound:
+        return "none", f"{waited}: its own step is the limit; more workers buy nothing"
+    stages = f.stages
+    if len(f.per_worker) >= 2:
+        slowest = max(f.per_worker, key=f.per_worker.__getitem__)
+        peers = statistics.median(v for a, v in f.per_worker.items() if a != slowest)
+        if peers > 0 and f.per_worker[slowest] >= STRAGGLER_RATIO * peers:
+            return "straggler", (f"{waited}; worker {slowest} takes {_ms(f.per_worker[slowest])} a batch, its "
+                                 f"peers {_ms(peers)}: the batches it owes hold the others back (its data or host "
+                                 "is slower)")
+    interval = f.elapsed_s / f.batches if f.batches else 0.0
+    receive = stages.get("receive", 0.0) / max(1, f.workers_alive)  # the workers' sockets are read at once
+    if interval > 0 and receive >= SHARE * interval:
+        return "network", (f"{waited}; reading a batch off the network takes {_ms(stages['receive'])} "
+                           f"({_ms(receive)} with {f.workers_alive} workers' sockets at once) of the "
+                           f"{_ms(interval)} between batches: the link is the limit, not the workers")
+    trainer = stages.get("decode", 0.0) + stages.get("pin", 0.0)
+    waited_per_batch = f.wait_s / f.batches if f.batches else 0.0
+    if waited_per_batch > 0 and trainer >= SHARE * waited_per_batch:
+        return "trainer", (f"{waited}; decoding and pinning take {_ms(trainer)} of the {_ms(waited_per_batch)} "
+                           "it waits a batch: the trainer's receiving side is the limit")
+    dataset, cpu = stages.get("dataset", 0.0), stages.get("dataset_cpu", 0.0)
+    for_a_core = stages.get("dataset_cpu_wait", 0.0) + stages.get("collate_cpu_wait", 0.0)
+    made = {"the dataset's code": dataset, "collate_fn": stages.get("collate", 0.0), "Dpex": stages.get("dpex", 0.0)}
+    total = sum(made.values())
+    if dataset > 0 and dataset - stages.get("dataset_cpu_wait", 0.0) >= STORAGE_RATIO * cpu \
+            and dataset >= max(made.values()):
+        return "storage", (f"{waited}; the dataset's code waits: {_ms(dataset)} a batch, {_ms(cpu)} of it on a "
+                           "CPU (storage or the network): more processes per worker (--processes) help without "
+                           "more cores")
+    shares = ", ".join(f"{name} {100 * t / total:.0f}%" for name, t in made.items()) if total > 0 else "not timed"
+    crowded = (f"; {_ms(for_a_core)} of a batch waited for a core: the workers' hosts have fewer cores than "
+               "busy processes" if total > 0 and for_a_core >= 0.25 * total else "")
+    wanted, step = need(f, capped=False), need(f)
+    more = (f"about {wanted} keep up" if wanted == step else
+            f"{wanted} would keep up: try {step} ({MAX_SCALE_STEP}x) and measure again")
+    return "workers", (f"{waited}: the workers' processes are the limit; add workers ({more}). "
+                       f"A batch's time: {shares}{crowded}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
