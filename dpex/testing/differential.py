@@ -389,17 +389,22 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             s.set_epoch(epoch)
 
 
-def run(address: str, programs: int, steps: int = 8, derandomize: bool = True) -> None:
+def run(address: str, programs: int, steps: int = 8, derandomize: bool = True, seed: int | None = None) -> None:
     """Runs ``programs`` random programs of up to ``steps`` steps against the
     dispatcher at ``address``; raises with the shrunk counterexample on the
-    first difference from torch. ``derandomize``: hypothesis's fixed programs."""
+    first difference from torch. ``derandomize``: hypothesis's fixed programs;
+    ``seed``: fixed programs of this seed instead (runs of other seeds run other programs)."""
+    import hypothesis
     from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
+    from hypothesis.stateful import get_state_machine_test
     Programs.address = address
+    test = get_state_machine_test(Programs, settings=settings(
+        max_examples=programs, stateful_step_count=steps, deadline=None, database=None,
+        derandomize=derandomize, suppress_health_check=list(HealthCheck), print_blob=True))
+    if seed is not None:
+        test = hypothesis.seed(seed)(test)
     with _quick_worker_exits():
-        run_state_machine_as_test(Programs, settings=settings(
-            max_examples=programs, stateful_step_count=steps, deadline=None, database=None,
-            derandomize=derandomize, suppress_health_check=list(HealthCheck), print_blob=True))
+        test()
 
 
 @contextlib.contextmanager
