@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -76,10 +77,13 @@ def need(f: Figures, capped: bool = True) -> int:
     the trainer's own limit; ``capped``: at most MAX_SCALE_STEP times the live ones."""
     alive = f.workers_alive
     computing = f.elapsed_s - f.wait_s
-    if not (f.input_bound and computing > 0):
+    if not f.input_bound:
         return alive
+    step = MAX_SCALE_STEP * max(1, alive)
+    if computing <= 0:  # a trainer that does nothing between batches would wait for any number
+        return step if capped else sys.maxsize
     wanted = math.ceil(alive * f.elapsed_s / computing - 1e-9)
-    return min(wanted, MAX_SCALE_STEP * max(1, alive)) if capped else wanted
+    return min(wanted, step) if capped else wanted
 
 
 def predict(f: Figures, workers: int) -> float:
@@ -134,8 +138,7 @@ def verdict(f: Figures) -> tuple[str, str]:
     crowded = (f"; {_ms(for_a_core)} of a batch waited for a core: the workers' hosts have fewer cores than "
                "busy processes" if total > 0 and for_a_core >= 0.25 * total else "")
     wanted, step = need(f, capped=False), need(f)
-    more = (f"about {wanted} keep up" if wanted == step else
-            f"{wanted} would keep up: try {step} ({MAX_SCALE_STEP}x) and measure again")
+    more = f"about {wanted} keep up" if wanted == step else f"try {step} ({MAX_SCALE_STEP}x) and measure again"
     return "workers", (f"{waited}: the workers' processes are the limit; add workers ({more}). "
                        f"A batch's time: {shares}{crowded}")
 

@@ -140,6 +140,20 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
                         "needing in the last minute.", job_labels)
     for j in status.jobs:
         job_needed.add_metric([str(j.job_id), j.name], j.workers_needed)
+    stage_s = _gauge("dpex_job_stage_seconds", "Mean seconds a batch of the job spent in each stage "
+                     "(loader.stats().stages), over the last window of its consumer that waited most.",
+                     [*job_labels, "stage"])
+    job_wait = _gauge("dpex_job_wait_fraction", "The share of its last window that consumer spent waiting "
+                      "for batches.", job_labels)
+    verdicts = _gauge("dpex_job_bottleneck", "1 for the job's verdict (dpex.bottleneck: none, workers, storage, "
+                      "network, trainer, straggler), as that consumer last measured.", [*job_labels, "bottleneck"])
+    for j in status.jobs:
+        if j.HasField("bottleneck"):
+            ids = [str(j.job_id), j.name]
+            for name, seconds in sorted(j.bottleneck.stages.items()):
+                stage_s.add_metric([*ids, name], seconds)
+            job_wait.add_metric(ids, j.bottleneck.wait_fraction)
+            verdicts.add_metric([*ids, j.bottleneck.bottleneck], 1)
     heartbeat = _gauge("dpex_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
                        ["worker_id", "address"])
     alive = [w for w in status.workers if w.state == "alive"]
@@ -149,4 +163,4 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
                          ["worker_id", "address"])
     return [build_info(status.versions), workers, jobs, wanted, assigned, reassigned, collected, forgotten,
             heartbeats, journal_errors, journal_failing, refused, planned, delivered, pending,
-            consumers, needed, job_needed, heartbeat, *loads]
+            consumers, needed, job_needed, stage_s, job_wait, verdicts, heartbeat, *loads]

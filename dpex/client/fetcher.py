@@ -131,7 +131,7 @@ class Control:
             return call(self._stub.SyncConsumer,
                         dpb.SyncConsumerRequest(**self._names, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s,
-                                                workers_needed=self._need(),
+                                                workers_needed=self._need(), verdict=self._meter.recent_verdict(),
                                                 **dict(zip(("wait_fraction", "batches_per_s"),
                                                            self._meter.recent()))),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,

@@ -11,6 +11,7 @@ from typing import Any
 
 from dpex import bottleneck
 from dpex.bottleneck import INPUT_BOUND_WAIT_FRACTION, MAX_SCALE_STEP, Figures
+from dpex.proto.dispatcher_pb2 import Verdict
 
 __all__ = ["INPUT_BOUND_WAIT_FRACTION", "MAX_SCALE_STEP", "LoaderStats", "StatsMeter"]
 
@@ -68,25 +69,61 @@ NEED_WINDOW_S = 10.0  # the need reported to the dispatcher is measured over abo
 FIRST_NEED_WINDOW_S = 3.0  # ... the first one over this much: a waiting trainer gets workers sooner
 
 
+class _Sums:
+    """What was measured over a span of batches (since the loader started or
+    was reset, or over the dispatcher's window): the figures dpex.bottleneck reads."""
+
+    def __init__(self) -> None:
+        self.batches = self.nbytes = 0
+        self.elapsed = self.wait = 0.0
+        self.stages = dict.fromkeys(STAGES + TRAINER_STAGES, 0.0)
+        self.staged = 0  # batches whose batch-process stages were timed
+        self.received = 0  # batches received (their trainer stages timed)
+        self.timed: set[str] = set()  # the trainer stages measured at least once
+        self.by_worker: dict[str, list[float]] = {}  # address -> [seconds its batch processes took, batches]
+
+    def taken(self, elapsed: float, wait: float, nbytes: int) -> None:
+        self.elapsed += elapsed
+        self.wait += wait
+        self.batches += 1
+        self.nbytes += nbytes
+
+    def received_one(self, address: str, times: Any | None, receive_s: float, decode_s: float) -> None:
+        self.received += 1
+        self.stages["receive"] += receive_s
+        self.stages["decode"] += decode_s
+        self.timed.update(("decode",) + (("receive",) if receive_s else ()))
+        if times is not None:
+            for name in STAGES:
+                self.stages[name] += getattr(times, f"{name}_s")
+            self.staged += 1
+            made = self.by_worker.setdefault(address, [0.0, 0])
+            made[0] += times.dataset_s + times.collate_s + times.dpex_s
+            made[1] += 1
+
+    def pinned(self, seconds: float) -> None:
+        self.stages["pin"] += seconds
+        self.timed.add("pin")
+
+    def figures(self, workers_alive: int) -> Figures:
+        stages = {name: self.stages[name] / self.staged for name in STAGES} if self.staged else {}
+        stages.update((name, self.stages[name] / self.received) for name in TRAINER_STAGES
+                      if name in self.timed and self.received)
+        return Figures(self.batches, self.elapsed, self.wait, workers_alive, stages,
+                       {a: t / n for a, (t, n) in self.by_worker.items() if n})
+
+
 class StatsMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reset()
+        self._total = _Sums()   # since the loader started or stats(reset=True)
+        self._window = _Sums()  # since the need was last measured
+        self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
         self.workers_alive = 0
-        self._window = [0.0, 0.0, 0]  # (elapsed, wait, batches) since the need was last measured
         self._recent = 0
+        self._verdict: Verdict | None = None  # the last window's, for the dispatcher
         self.recent_wait = 0.0   # the share of the last window spent waiting (with recent_need)
         self.recent_rate = 0.0   # batches per second taken over the last window
-
-    def _reset(self) -> None:
-        self._stage_sums = dict.fromkeys(STAGES + TRAINER_STAGES, 0.0)
-        self._staged = 0  # batches whose stages were timed
-        self._received = 0  # batches received (their trainer stages timed)
-        self._timed: set[str] = set()  # the trainer stages measured at least once
-        self._by_worker: dict[str, list[float]] = {}  # address -> [seconds its batch processes took, batches]
-        self._batches = self._bytes = 0
-        self._elapsed = self._wait = 0.0
-        self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
 
     def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
         """A batch of ``epoch`` (a key, not the iterator: the meter must not
@@ -95,73 +132,62 @@ class StatsMeter:
         with self._lock:
             since = self._last[1] if self._last is not None and self._last[0] == epoch else asked_at
             self._last = (epoch, now)
-            self._elapsed += now - since
-            self._wait += now - asked_at
-            self._window[0] += now - since
-            self._window[1] += now - asked_at
-            self._window[2] += 1
-            self._batches += 1
-            self._bytes += nbytes
+            for sums in (self._total, self._window):
+                sums.taken(now - since, now - asked_at, nbytes)
 
     def received(self, address: str, times: Any | None, receive_s: float, decode_s: float) -> None:
         """A batch received from worker ``address``: its batch process's stage
         times (a dpex.v1.StageTimes; None: not timed), the seconds its frame
         took to read off the data socket (0: it did not come on one) and to decode."""
         with self._lock:
-            self._received += 1
-            self._stage_sums["receive"] += receive_s
-            self._stage_sums["decode"] += decode_s
-            self._timed.update(("decode",) + (("receive",) if receive_s else ()))
-            if times is not None:
-                for name in STAGES:
-                    self._stage_sums[name] += getattr(times, f"{name}_s")
-                self._staged += 1
-                made = self._by_worker.setdefault(address, [0.0, 0])
-                made[0] += times.dataset_s + times.collate_s + times.dpex_s
-                made[1] += 1
+            for sums in (self._total, self._window):
+                sums.received_one(address, times, receive_s, decode_s)
 
     def pinned(self, seconds: float) -> None:
         """A batch was pinned in ``seconds``."""
         with self._lock:
-            self._stage_sums["pin"] += seconds
-            self._timed.add("pin")
+            for sums in (self._total, self._window):
+                sums.pinned(seconds)
+
+    def _stale(self) -> bool:
+        """No batch taken for a window: the trainer paused, it waits for nothing."""
+        return self._last is None or time.monotonic() - self._last[1] > NEED_WINDOW_S
 
     def recent(self) -> tuple[float, float]:
         """The share of time waiting and the batches per second over the last
         window, for the dispatcher; (0, 0) once the trainer has taken no batch
         for a window (it paused: it waits for nothing)."""
         with self._lock:
-            if self._last is None or time.monotonic() - self._last[1] > NEED_WINDOW_S:
-                return 0.0, 0.0
-            return self.recent_wait, self.recent_rate
+            return (0.0, 0.0) if self._stale() else (self.recent_wait, self.recent_rate)
+
+    def recent_verdict(self) -> Verdict | None:
+        """Where the time went over the last window (a dpex.v1.Verdict), for the
+        dispatcher; None before a window was measured or once the trainer paused."""
+        with self._lock:
+            return None if self._stale() else self._verdict
 
     def recent_need(self) -> int:
         """The trainer's need of workers over its last NEED_WINDOW_S of
         batches (the first time FIRST_NEED_WINDOW_S; 0 until that much was
-        measured), for the dispatcher."""
+        measured), for the dispatcher; the window's verdict with it."""
         with self._lock:
             window = NEED_WINDOW_S if self._recent else FIRST_NEED_WINDOW_S
-            if self._window[0] >= window and self.workers_alive > 0:
-                alive = self.workers_alive
-                elapsed, wait, batches = self._window
-                self._recent = bottleneck.need(Figures(batches, elapsed, wait, alive))
-                self.recent_wait, self.recent_rate = wait / elapsed, batches / elapsed
-                self._window = [0.0, 0.0, 0]
+            if self._window.elapsed >= window and self.workers_alive > 0:
+                figures = self._window.figures(self.workers_alive)
+                self._recent = bottleneck.need(figures)
+                self.recent_wait, self.recent_rate = figures.wait_fraction, figures.rate
+                word, reason = bottleneck.verdict(figures)
+                self._verdict = Verdict(bottleneck=word, reason=reason, stages=figures.stages,
+                                        wait_fraction=figures.wait_fraction)
+                self._window = _Sums()
             return self._recent
-
-    def _stages(self) -> dict[str, float]:
-        stages = {name: self._stage_sums[name] / self._staged for name in STAGES} if self._staged else {}
-        stages.update((name, self._stage_sums[name] / self._received) for name in TRAINER_STAGES
-                      if name in self._timed and self._received)
-        return stages
 
     def stats(self, reset: bool = False) -> LoaderStats:
         with self._lock:
-            figures = Figures(self._batches, self._elapsed, self._wait, self.workers_alive, self._stages(),
-                              {a: t / n for a, (t, n) in self._by_worker.items() if n})
-            nbytes = self._bytes
+            figures, nbytes = self._total.figures(self.workers_alive), self._total.nbytes
             if reset:
-                self._reset()
+                self._total = _Sums()
+                self._last = None
         fraction, computing = figures.wait_fraction, figures.elapsed_s - figures.wait_s
         cap = MAX_SCALE_STEP * max(1, figures.workers_alive)
         needed = bottleneck.need(figures, capped=False)

@@ -64,6 +64,11 @@ def render(status) -> str:
                      str(j.batches_delivered), done, str(j.splits_assigned), str(j.splits_unassigned),
                      j.shares or "-", j.sharing or "-"))
     lines += _table(rows)
+    verdicts = [j for j in jobs["running"] + jobs["idle"] if j.HasField("bottleneck")]
+    if verdicts:
+        lines += ["", "WHERE THE TIME GOES (each job's consumer that waited most, over its last window)"]
+        lines += [f"job {j.job_id}{f' ({j.name})' if j.name else ''} consumer {j.bottleneck.consumer_index}: "
+                  f"{j.bottleneck.bottleneck}: {j.bottleneck.reason}" for j in verdicts]
     return "\n".join(lines)
 
 
@@ -89,7 +94,8 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
            as_json: bool) -> None:
     """Show workers (state, splits held, load, batches produced, shared and
     sent, heartbeat) and jobs (consumers, epoch, batches planned and
-    delivered, which share their batches: equal SHARES, and why one shares nothing)."""
+    delivered, which share their batches: equal SHARES, and why one shares nothing),
+    and where each live job's time goes (its trainers' verdict, in words)."""
     from dpex.proto import dispatcher_pb2 as dpb
     from dpex.proto import dispatcher_pb2_grpc as dgrpc
     from dpex.auth import load_ca, load_token

@@ -21,6 +21,7 @@ class Liveness:
         self._needs: dict[tuple[int, int], tuple[int, float]] = {}  # (job, consumer) -> (workers needed, when)
         # (job, consumer) -> (share of time waiting, batches per second, when), as the trainer last measured
         self._demand: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._verdicts: dict[tuple[int, int], tuple[dpb.Verdict, float]] = {}  # (job, consumer) -> (its last, when)
 
     # ---- heard from ----------------------------------------------------------
     def worker(self, worker_id: str, load: dpb.WorkerLoad | None = None) -> None:
@@ -30,12 +31,28 @@ class Liveness:
             self.loads[worker_id] = load
 
     def consumer(self, job_id: int, consumer: int, workers_needed: int = 0, wait_fraction: float = 0.0,
-                 batches_per_s: float = 0.0) -> None:
+                 batches_per_s: float = 0.0, verdict: dpb.Verdict | None = None) -> None:
         now = self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
         self._released.discard((job_id, consumer))  # heard of with a plan: whatever fails later is not that
         if workers_needed:
             self._needs[(job_id, consumer)] = (workers_needed, now)
             self._demand[(job_id, consumer)] = (wait_fraction, batches_per_s, now)
+        if verdict is not None:
+            self._verdicts[(job_id, consumer)] = (verdict, now)
+
+    def verdict(self, job_id: int, max_age_s: float = 60.0) -> dpb.Verdict | None:
+        """Where the job's time goes: the verdict its consumer that waited most
+        reported in the last ``max_age_s`` (dpex.bottleneck), naming that consumer; None: none reported."""
+        now = self.clock()
+        recent = [(v.wait_fraction, c, v) for (j, c), (v, when) in self._verdicts.items()
+                  if j == job_id and now - when <= max_age_s]
+        if not recent:
+            return None
+        _, consumer, verdict = max(recent, key=lambda r: (r[0], -r[1]))
+        named = dpb.Verdict()
+        named.CopyFrom(verdict)
+        named.consumer_index = consumer
+        return named
 
     def demand(self, max_age_s: float = 15.0) -> tuple[int, float, float, int]:
         """What the trainers that measured it in the last ``max_age_s`` said:
@@ -80,6 +97,7 @@ class Liveness:
         self._consumers.pop((job_id, consumer), None)
         self._needs.pop((job_id, consumer), None)
         self._demand.pop((job_id, consumer), None)
+        self._verdicts.pop((job_id, consumer), None)
 
     def forget_worker(self, worker_id: str) -> None:
         for table in (self._workers, self._lost, self.loads):

@@ -80,7 +80,7 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
                 f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                 f"epoch {request.epoch} (another trainer may have replaced it)")
         core.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
-                           request.batches_per_s)
+                           request.batches_per_s, request.verdict if request.HasField("verdict") else None)
         if request.delivered_seqs:
             core.apply(mark_delivered=jpb.MarkDelivered(
                 job_id=request.job_id, consumer_index=request.consumer_index,

@@ -52,7 +52,8 @@ def status(core: Journaled) -> dpb.GetStatusResponse:
                               state=state.job_state(job.job_id),
                               workers_needed=core.seen.workers_needed(job.job_id),
                               shares=(job.share_digest or b"").hex()[:8],
-                              sharing=sharing(job, state.jobs.values()))
+                              sharing=sharing(job, state.jobs.values()),
+                              bottleneck=core.seen.verdict(job.job_id))
     alive = sum(w.state == "alive" for w in response.workers)
     extra = [max(0, job.workers_needed - alive) for job in response.jobs if job.workers_needed]
     response.workers_needed = alive + sum(extra) if extra else 0

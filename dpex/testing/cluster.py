@@ -84,6 +84,8 @@ def status_tables(text: str) -> dict[str, list[dict[str, str]]]:
         if line.startswith(("WORKERS", "JOBS")):
             title, header = line.split()[0], None
             out[title] = []
+        elif line.startswith("WHERE THE TIME GOES"):  # lines of words, not a table
+            title = None
         elif title and line.strip():
             cells = re.split(r"\s{2,}", line.strip())
             if header is None:

@@ -2,12 +2,15 @@
 a bottleneck put where a user's pipeline would have it, and the verdict of
 ``loader.stats()`` checked: the stage named, the reason in words."""
 import functools
+import json
 import time
 
 import pytest
 
 import dpex
 from dpex.testing import datasets, test_cluster
+from tests.integration.commands import run
+from tests.integration.test_observability import scrape, total
 
 B = 4
 
@@ -51,7 +54,8 @@ def test_a_heavy_collate_fn_calls_for_workers_and_names_collation(cluster):
 
 
 def test_a_slow_training_step_needs_nothing(cluster):
-    stats = verdict(cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=80), step_s=0.02)
+    # 100 steps of 30 ms: the epoch's start (its first batch, waited for) is a small part of it
+    stats = verdict(cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=400), step_s=0.03)
     assert stats.bottleneck == "none", stats.bottleneck_reason
     assert "buy nothing" in stats.bottleneck_reason and stats.predict(4) <= stats.batches_per_s * 1.01
 
@@ -62,3 +66,24 @@ def test_one_worker_with_a_slow_copy_of_the_data_is_named_the_straggler():
         stats = verdict(c.address, dpex.DatasetSpec("dpex.testing.datasets:SlowCopy", n=160))
         assert stats.bottleneck == "straggler", stats.bottleneck_reason
         assert slow.address in stats.bottleneck_reason and c.worker_addresses[0] not in stats.bottleneck_reason
+
+
+def test_the_verdict_reaches_dpex_status_and_the_metrics():
+    """A trainer's verdict rides its syncs to the dispatcher: `dpex status` says
+    it in words per job, --json as a field, /metrics as stage times."""
+    with test_cluster(num_workers=1, metrics=True) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=4000, delay_s=0.005)  # storage: 20 ms a batch
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, job_name="slow-reads", timeout=60) as dl:
+            for n, _ in enumerate(dl):
+                if n % 50 == 49:  # a window is 3 s of batches, then each sync carries its verdict
+                    jobs = json.loads(run("dpex", "status", "--dispatcher", c.address, "--json").stdout)["jobs"]
+                    if "bottleneck" in jobs[0]:  # (absent until reported)
+                        text = run("dpex", "status", "--dispatcher", c.address).stdout
+                        samples = scrape(c.dispatcher.metrics_url)
+                        break
+        verdict = jobs[0]["bottleneck"]
+        assert verdict["bottleneck"] == "storage" and "--processes" in verdict["reason"], verdict
+        assert verdict["stages"]["dataset"] > 0.015 and verdict["waitFraction"] > 0.5
+        assert "WHERE THE TIME GOES" in text and f"job {dl.job_id} (slow-reads) consumer 0: storage: " in text
+        assert total(samples, "dpex_job_bottleneck", job_name="slow-reads", bottleneck="storage") == 1
+        assert total(samples, "dpex_job_stage_seconds", job_name="slow-reads", stage="dataset") > 0.015

@@ -25,7 +25,8 @@ def test_same_batches_in_the_same_order_as_torch(cluster, num_workers, batch_siz
         for _ in range(2):
             assert items(dl) == theirs
         stages = dl.stats().stages  # each stream times its batches too (issue 56)
-        assert set(stages) == {"dataset", "dataset_cpu", "collate", "collate_cpu", "dpex"} and stages["dataset"] > 0
+        assert {"dataset", "dataset_cpu", "dataset_cpu_wait", "collate", "collate_cpu", "collate_cpu_wait", "dpex",
+                "decode"} == set(stages) and stages["dataset"] > 0
     flat = [i for b in theirs for i in b]
     assert len(flat) == len(set(flat))  # no duplicates
 

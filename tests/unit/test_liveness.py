@@ -61,3 +61,20 @@ def test_an_address_nobody_listens_on_is_unreachable_and_a_listening_one_is_not(
         assert unreachable(address) is None
     assert "ConnectionRefusedError" in unreachable(address)
     assert unreachable("not-an-address") is not None
+
+
+def test_a_jobs_verdict_is_its_most_waiting_consumers_recent_one():
+    clock = Clock()
+    seen = Liveness(clock)
+    seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="none", reason="r0", wait_fraction=0.05))
+    seen.consumer(1, 1, verdict=dpb.Verdict(bottleneck="straggler", reason="r1", wait_fraction=0.6,
+                                            stages={"dataset": 0.2}))
+    seen.consumer(2, 0)  # a sync without a verdict (not measured yet): none shown
+    got = seen.verdict(1)
+    assert (got.bottleneck, got.consumer_index, dict(got.stages)) == ("straggler", 1, {"dataset": 0.2})
+    assert seen.verdict(2) is None
+    clock.now += 61
+    seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="none", reason="r0", wait_fraction=0.05))
+    assert seen.verdict(1).consumer_index == 0  # consumer 1's is a minute old
+    seen.forget_consumer(1, 0)
+    assert seen.verdict(1) is None

@@ -22,3 +22,16 @@ def test_stages_average_over_the_batches_that_went_through_them_and_a_slow_worke
     meter.pinned(0.5)
     assert meter.stats(reset=True).stages["pin"] == 0.5 / 31
     assert meter.stats().stages == {} and meter.stats().bottleneck == "none"  # a new window
+
+
+def test_the_window_told_to_the_dispatcher_carries_its_verdict():
+    import time
+    meter = StatsMeter()
+    meter.workers_alive = 1
+    assert meter.recent_need() == 0 and meter.recent_verdict() is None  # nothing measured yet
+    meter.received("a:1", wpb.StageTimes(dataset_s=1.0, dataset_cpu_s=0.01), 0.0, 0.001)
+    meter.record("epoch", asked_at=time.monotonic() - 4, nbytes=10)  # 4 s waited: a window (3 s the first time)
+    assert meter.recent_need() == 4  # at most 4x the live workers
+    verdict = meter.recent_verdict()
+    assert verdict.bottleneck == "storage" and verdict.wait_fraction > 0.99 and verdict.stages["dataset"] == 1.0
+    assert meter.stats().bottleneck == "storage"  # the loader's own figures are the same arithmetic's
