@@ -73,6 +73,10 @@ def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
                                "making (made once, dpex.worker.sharing).", labels),
         "share_misses": _counter(f"{prefix}share_misses", "Batches of jobs that share made here.", labels),
         "share_bytes": _gauge(f"{prefix}share_bytes", "Bytes kept for jobs of one definition.", labels),
+        "queued_s": _counter(f"{prefix}queued_seconds", "Seconds the batches sent waited, made, for their "
+                             "trainer's request.", labels),
+        "send_s": _counter(f"{prefix}send_seconds", "Seconds the batches sent took from due to handed to the "
+                           "network (a slow link or trainer).", labels),
         "sample_cache_bytes": _gauge(f"{prefix}sample_cache_bytes", "Bytes of samples kept for jobs with "
                                      "cache='memory' or 'disk' (both tiers).", labels),
     }

@@ -37,11 +37,11 @@ def render(status) -> str:
              "",
              f"WORKERS ({count['alive']} alive, {count['lost']} lost, {count['left']} left)"]
     rows = [("ID", "ADDRESS", "STATE", "SPLITS", "PROCS", "BUSY", "BUFFER", "RUNNING", "STREAMS",
-             "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "HEARTBEAT", "DPEX/TORCH")]
+             "PRODUCED", "SHARED", "CACHED", "SENT", "SENT BYTES", "QUEUED/SEND", "HEARTBEAT", "DPEX/TORCH")]
     for w in status.workers:
         load = w.load
         if w.state != "alive":  # no load of a worker that is gone
-            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 10, "-", _versions(w.versions)))
+            rows.append((w.worker_id, w.address, w.state, str(w.splits_held), *["-"] * 11, "-", _versions(w.versions)))
             continue
         rows.append((w.worker_id, w.address, w.state, str(w.splits_held), str(load.processes),
                      f"{100 * load.busy_fraction:.0f}%", str(load.buffer_batches), str(load.running_batches),
@@ -49,7 +49,8 @@ def render(status) -> str:
                      f"{load.share_hits} ({_mb(load.share_bytes)} kept)" if load.share_hits or load.share_bytes
                      else "-", _mb(load.sample_cache_bytes) if load.sample_cache_bytes else "-",
                      str(load.batches_sent),
-                     _mb(load.bytes_sent), f"{w.seconds_since_heartbeat:.1f}s ago", _versions(w.versions)))
+                     _mb(load.bytes_sent), _per_batch(load), f"{w.seconds_since_heartbeat:.1f}s ago",
+                     _versions(w.versions)))
     lines += _table(rows)
     jobs = {s: [j for j in status.jobs if j.state == s] for s in ("running", "idle", "finished")}
     lines += ["", f"JOBS ({len(jobs['running'])} running, {len(jobs['idle'])} idle, "
@@ -70,6 +71,13 @@ def render(status) -> str:
         lines += [f"job {j.job_id}{f' ({j.name})' if j.name else ''} consumer {j.bottleneck.consumer_index}: "
                   f"{j.bottleneck.bottleneck}: {j.bottleneck.reason}" for j in verdicts]
     return "\n".join(lines)
+
+
+def _per_batch(load) -> str:
+    """Mean ms a sent batch waited for its request, and took to send."""
+    if not load.batches_sent:
+        return "-"
+    return f"{1000 * load.queued_s / load.batches_sent:.1f}/{1000 * load.send_s / load.batches_sent:.1f} ms"
 
 
 def _versions(v) -> str:

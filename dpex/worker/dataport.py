@@ -26,6 +26,7 @@ import secrets
 import socket
 import threading
 import time
+from typing import Callable
 
 from dpex.wire.pairing import KEY_BYTES
 
@@ -141,25 +142,30 @@ class Sender:
     """Writes one stream's frames to its data socket, in order, in a thread
     of its own (the Fetch stream yields the pointers meanwhile)."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, sent: Callable[[float], None] = lambda seconds: None) -> None:
+        """``sent(seconds)``: a frame was written, that long after it was given to :meth:`send`."""
         self._conn = conn
+        self._sent = sent
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dpex-data-send", daemon=True)
         self._thread.start()
 
-    def send(self, frame: bytes) -> None:
-        self._queue.put(frame)
+    def send(self, frame: bytes, due: float | None = None) -> None:
+        """Writes ``frame`` after those before it; its time counted from ``due`` (now if None)."""
+        self._queue.put((frame, time.monotonic() if due is None else due))
 
     def _run(self) -> None:
         while True:
-            frame = self._queue.get()
-            if frame is None:
+            item = self._queue.get()
+            if item is None:
                 return
             if self.failed is not None:
                 continue
+            frame, due = item
             try:
                 self._conn.sendall(frame)
+                self._sent(time.monotonic() - due)
             except OSError as e:
                 self.failed = e
                 log.debug("data socket failed: %s", e)

@@ -17,6 +17,8 @@ class Meter:
         self.bytes_produced = 0
         self.batches_sent = 0
         self.bytes_sent = 0
+        self.queued_s = 0.0           # seconds sent batches waited, made, for their request
+        self.send_s = 0.0             # seconds sent batches took from due to handed to the network
         self.fetch_streams = 0
         self.busy_s = 0.0             # process-seconds spent producing batches
         self._running = 0
@@ -43,6 +45,16 @@ class Meter:
         with self._lock:
             self.batches_sent += 1
             self.bytes_sent += nbytes
+
+    def queued(self, seconds: float) -> None:
+        """A made batch was asked for after waiting ``seconds``."""
+        with self._lock:
+            self.queued_s += seconds
+
+    def sending(self, seconds: float) -> None:
+        """A batch took ``seconds`` from due to handed to the network."""
+        with self._lock:
+            self.send_s += seconds
 
     def stream(self, delta: int) -> None:
         with self._lock:
@@ -72,4 +84,4 @@ class Meter:
                                   buffer_batches=buffer_batches, running_batches=running_batches,
                                   batches_produced=self.batches_produced, bytes_produced=self.bytes_produced,
                                   batches_sent=self.batches_sent, bytes_sent=self.bytes_sent,
-                                  fetch_streams=self.fetch_streams)
+                                  fetch_streams=self.fetch_streams, queued_s=self.queued_s, send_s=self.send_s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Iterator, Protocol
 
@@ -95,6 +96,7 @@ class MapRunner:
         self.error: BaseException | None = None      # they could not be: each batch is this error
         self.left: set[Key] = set()                  # still to make (or being made)
         self.ready: dict[Key, Frame] = {}            # made ahead of requests
+        self.made_at: dict[Key, float] = {}          # when each ready one was made (time.monotonic)
         self.waiters: dict[Key, list[Sink]] = {}     # requested, not made yet
 
     @property
@@ -148,6 +150,7 @@ class MapRunner:
     def take(self, key: Key) -> Frame | None:
         """Batch ``key`` if it is ready, out of the buffer."""
         frame = self.ready.pop(key, None)
+        self.made_at.pop(key, None)
         if frame is not None:
             self._budget.taken(self.consumer, shm.size_of(frame))
         return frame
@@ -172,6 +175,7 @@ class MapRunner:
                 sink(frame)
         elif keep:
             self.ready[key] = frame
+            self.made_at[key] = time.monotonic()
             self._budget.readied(self.consumer, size)
         else:
             shm.discard(frame)

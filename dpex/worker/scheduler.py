@@ -196,7 +196,9 @@ class Scheduler:
                 self._held.wait(key, sink, time.monotonic())
                 self._cond.notify_all()
                 return
+            made_at = runner.made_at.get(key)
             if not runner.request(key, sink):  # it was ready
+                self.meter.queued(time.monotonic() - made_at if made_at is not None else 0.0)
                 self._read_ahead_freed(key.consumer)
             elif key in self._running:
                 if key in self._ahead:  # asked for now: the trainer's window holds it, not the read-ahead

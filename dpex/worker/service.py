@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import deque
 from concurrent.futures import Executor
 from typing import Callable
@@ -226,6 +227,7 @@ class WorkerService:
                     sender = await self._data_socket(context)
             while True:
                 frame = await out.get()
+                due = time.monotonic()  # sent from here: the rest of its time is the network's (or trainer's)
                 if isinstance(frame, _Refused):
                     await context.abort(frame.code, frame.message)
                 self._meter.sent(shm.size_of(frame))
@@ -238,11 +240,13 @@ class WorkerService:
                 if sender is not None and len(outgoing) >= _DATA_MIN_BYTES:
                     if sender.failed is not None:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"data socket failed: {sender.failed}")
-                    sender.send(outgoing)  # the bytes, on the socket, in the order of the pointers
+                    sender.send(outgoing, due)  # the bytes, on the socket, in the order of the pointers
                     meta, _ = parse_frame(outgoing)
                     meta.data_size = len(outgoing)
-                    outgoing = build_frame(meta)
+                    yield build_frame(meta)  # its send time is the socket's (Sender)
+                    continue
                 yield outgoing
+                self._meter.sending(time.monotonic() - due)
         finally:
             reader.cancel()
             self._meter.stream(-1)
@@ -287,7 +291,7 @@ class WorkerService:
         if conn is None:
             log.warning("a trainer asked for a data socket but did not connect; sending over gRPC")
             return None
-        return Sender(conn)
+        return Sender(conn, self._meter.sending)
 
     def _outgoing(self, frame: "bytes | Handoff", same_host: bool) -> bytes:
         """What goes on the wire: the file's name for a same-host trainer,

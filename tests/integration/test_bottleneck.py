@@ -8,7 +8,7 @@ import time
 import pytest
 
 import dpex
-from dpex.testing import datasets, test_cluster
+from dpex.testing import datasets, test_cluster, wait_until
 from tests.integration.commands import run
 from tests.integration.test_observability import scrape, total
 
@@ -87,3 +87,18 @@ def test_the_verdict_reaches_dpex_status_and_the_metrics():
         assert "WHERE THE TIME GOES" in text and f"job {dl.job_id} (slow-reads) consumer 0: storage: " in text
         assert total(samples, "dpex_job_bottleneck", job_name="slow-reads", bottleneck="storage") == 1
         assert total(samples, "dpex_job_stage_seconds", job_name="slow-reads", stage="dataset") > 0.015
+
+
+def test_a_workers_batches_that_wait_for_a_slow_trainer_show_as_queued():
+    with test_cluster(num_workers=1) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=240)
+        verdict(c.address, spec, step_s=0.02)  # made ahead at once, asked for every 20 ms
+
+        def reported():
+            return json.loads(run("dpex", "status", "--dispatcher", c.address, "--json").stdout)["workers"][0]["load"]
+        wait_until(lambda: int(reported()["batchesSent"]) == 60, what="the heartbeat after the last batch")
+        load = reported()
+        text = run("dpex", "status", "--dispatcher", c.address).stdout
+    assert load["queuedS"] / 60 > 0.01  # each waited most of a step, made
+    assert load["sendS"] / 60 < load["queuedS"] / 60  # a same-host frame is a name: quick to send
+    assert "QUEUED/SEND" in text

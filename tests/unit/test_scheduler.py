@@ -3,6 +3,8 @@ which batches it starts and when, that memory stays bounded by the buffer,
 that requested batches still get made, that released work is dropped.
 A batch is made only when the test says: no process, nothing timed.
 (The scheduler over the real process pool: tests/unit/test_runners.py.)"""
+import time
+
 import pytest
 
 from dpex.proto import dispatcher_pb2 as dpb
@@ -71,8 +73,10 @@ def test_buffer_bounds_what_is_produced_ahead(scheduler, pool):
     # share: the worker takes other splits rather than wait for it.
     assert scheduler.free_capacity(4) == (4, [(9, 0)])  # and none of its splits
     got = []
+    made_at = scheduler._held.find(key(0)).made_at[key(0)]
     scheduler.request(key(0), got.append)
     assert seqs(got) == [0]  # from the buffer, at once
+    assert 0 < scheduler.meter.queued_s <= time.monotonic() - made_at  # how long it waited, made, for the request
     assert scheduler.free_capacity(4) == (3, [])  # room again: its split counts
     assert pool.wait_running(1) == [3]
 
