@@ -19,8 +19,12 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install --quiet -e '.[proto]'
 	touch $@
 
+# The page test drives Debian's Chromium (Playwright, with no browser download of its
+# own): installed here where it is missing and we may (root); without it that test skips.
 $(VENV)/.installed: $(VENV)/.base
 	$(PIP) install --quiet -e '.[proto,test,ray]'
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium >/dev/null 2>&1; } \
+		|| echo "Chromium not installed: tests/integration/test_page.py will be skipped"
 	touch $@
 
 # Generated code lands in dpex/proto/ and is never edited; the virtual include

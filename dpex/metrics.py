@@ -7,9 +7,13 @@ the dispatcher's state machine stays pure.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,18 +31,47 @@ class _Snapshot(Collector):
         return list(self._collect())
 
 
-class MetricsServer:
-    """An HTTP endpoint serving ``/metrics`` from ``collect``; ``port`` is where."""
+# A page the endpoint serves beside the metrics: its content type and body, made when asked for.
+Page = Callable[[], tuple[str, bytes]]
 
-    def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]]) -> None:
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        pass
+
+
+class MetricsServer:
+    """An HTTP endpoint serving ``/metrics`` from ``collect`` (prometheus-client's
+    WSGI app, as at any path not in ``pages``) and each of ``pages`` at its path;
+    ``port`` is where."""
+
+    def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]],
+                 pages: Mapping[str, Page] | None = None) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(collect))
+        metrics, pages = make_wsgi_app(registry), dict(pages or {})
+
+        def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            page = pages.get(environ.get("PATH_INFO") or "/")
+            if page is None:
+                return metrics(environ, start_response)
+            content_type, body = page()
+            start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body))),
+                                      ("Cache-Control", "no-store")])
+            return [body]
+
+        class Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0] if host else socket.AF_INET
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            self._server = make_server(host, port, app, Server, handler_class=_Quiet)
         except OSError as e:
             raise DpexConfigError(f"cannot serve metrics on {host}:{port}: {e}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="dpex-metrics", daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
+        log.info("metrics on http://%s:%d/metrics%s", host, self.port,
+                 "".join(f", http://{host}:{self.port}{path}" for path in pages))
 
     def close(self) -> None:
         self._server.shutdown()

@@ -30,6 +30,7 @@ from dpex.aio import LoopThread
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.core import DispatcherCore
 from dpex.dispatcher.reaper import Reaper
+from dpex.dispatcher import page
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.auth import is_loopback_host, server_credentials
@@ -92,7 +93,8 @@ class DispatcherServer:
         try:
             self.port = self._run(self._start(config))
             self.metrics = (MetricsServer(config.host, config.metrics_port,
-                                          lambda: dispatcher_metrics(self.core.status()))
+                                          lambda: dispatcher_metrics(self.core.status()),
+                                          pages=page.pages(self.core.status))
                             if config.metrics_port is not None else None)
         except BaseException:
             self.close(0)

@@ -48,6 +48,7 @@ def test_a_wheel_from_a_clean_checkout_installs_and_runs(tmp_path):
     (wheel,) = os.listdir(tmp_path / "dist")
     with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:  # no two top-level names that differ only in case
         tops = {name.split("/")[0] for name in z.namelist() if not name.startswith("dpex-")}
+        assert "dpex/dispatcher/page.html" in z.namelist()  # the live picture, as package data
     assert "Dpex.py" in tops and len({t.lower() for t in tops}) == len(tops), tops
     # A fresh venv; its dependencies (torch, grpcio, ...) are this venv's, through a path
     # entry (a .pth in it is not run, so the checkout's editable dpex stays out of it).
