@@ -71,6 +71,12 @@ class Figures:
         return (self.elapsed_s - self.wait_s) / self.batches if self.batches else 0.0
 
 
+def reported(wait_fraction: float, batches_per_s: float, workers_alive: int, window_s: float = 10.0) -> Figures:
+    """Figures equal, for :func:`predict` and :func:`need`, to a window a trainer
+    reported (its wait share and rate: a dpex.v1.Verdict)."""
+    return Figures(round(batches_per_s * window_s), window_s, wait_fraction * window_s, workers_alive)
+
+
 def need(f: Figures, capped: bool = True) -> int:
     """Workers of the measured speed that keep the trainer from waiting (the
     live ones if it hardly waits): the fewest for which :func:`predict` reaches

@@ -178,7 +178,8 @@ class StatsMeter:
                 self.recent_wait, self.recent_rate = figures.wait_fraction, figures.rate
                 word, reason = bottleneck.verdict(figures)
                 self._verdict = Verdict(bottleneck=word, reason=reason, stages=figures.stages,
-                                        wait_fraction=figures.wait_fraction)
+                                        wait_fraction=figures.wait_fraction, batches_per_s=figures.rate,
+                                        workers_alive=figures.workers_alive)
                 self._window = _Sums()
             return self._recent
 

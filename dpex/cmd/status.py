@@ -1,4 +1,4 @@
-"""dpex: operator commands (``dpex status``, ``dpex ray start|status|stop``)."""
+"""dpex: operator commands (``dpex status``, ``dpex profile``, ``dpex ray start|status|stop``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -119,6 +119,76 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
         click.echo(MessageToJson(response, always_print_fields_with_no_presence=True))
     else:
         click.echo(render(response))
+
+
+@main.command()
+@click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
+              help="The dispatcher's HOST:PORT.")
+@click.option("--job", "jobs", multiple=True, help="A job's id or name (repeatable) [default: every live job].")
+@click.option("--seconds", type=float, default=15.0, show_default=True, help="How long to watch.")
+@click.option("--timeout", type=float, default=5.0, envvar="DPEX_TIMEOUT", show_envvar=True,
+              show_default=True, help="Seconds to try to reach the dispatcher.")
+@click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None, envvar="DPEX_AUTH_TOKEN_FILE",
+              show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
+@tls_ca_option
+def profile(dispatcher: str, jobs: tuple[str, ...], seconds: float, timeout: float, auth_token_file: str | None,
+            tls_ca: str | None) -> None:
+    """Watch jobs for a while, then say where their time goes: the verdict of
+    each job's consumer that waited most, a batch's time by stage, and the
+    batches/s that 1, 2, 4 and 8 workers like the live ones would give."""
+    import time
+    from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    from dpex.auth import load_ca, load_token
+    from dpex.rpc import call, channel
+    try:
+        with channel(dispatcher, load_token(auth_token_file), load_ca(tls_ca)) as ch:
+            def get() -> Any:
+                return call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(),
+                            target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
+            begun, first = time.monotonic(), get()
+            deadline = begun + seconds
+            while time.monotonic() < deadline:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            last, watched = get(), time.monotonic() - begun
+    except DpexError as e:
+        fail(str(e))
+    if jobs:
+        chosen = [j for j in last.jobs if str(j.job_id) in jobs or j.name in jobs]
+        if not chosen:
+            fail(f"no job {', '.join(jobs)} at dispatcher {dispatcher}")
+    else:
+        chosen = [j for j in last.jobs if j.state == "running"]
+    if not chosen:
+        click.echo(f"no running job at dispatcher {dispatcher}")
+        return
+    before = {j.job_id: j.batches_delivered for j in first.jobs}
+    click.echo("\n\n".join(render_profile(j, (j.batches_delivered - before.get(j.job_id, 0)) / watched, watched)
+                            for j in chosen))
+
+
+def render_profile(job: Any, rate: float, watched_s: float) -> str:
+    """A job's verdict, stage table and what-if table (dpex.bottleneck), in words."""
+    from dpex import bottleneck
+    title = f"job {job.job_id}" + (f" ({job.name})" if job.name else "")
+    lines = [f"{title}: {rate:.1f} batches/s delivered over the {watched_s:.0f} s watched"]
+    if not job.HasField("bottleneck"):
+        return "\n".join(lines + ["no verdict yet: its trainers report one after ~3 s of batches"])
+    v = job.bottleneck
+    lines += [f"consumer {v.consumer_index}, over its last window: {v.bottleneck}", f"  {v.reason}", ""]
+    stages = dict(v.stages)
+    rows = [("STAGE", "MS A BATCH", "OF IT ON A CPU", "WAITING FOR A CORE")]
+    for name in ("dataset", "collate", "dpex", "receive", "decode", "pin"):
+        if name in stages:
+            cpu, core = stages.get(f"{name}_cpu"), stages.get(f"{name}_cpu_wait")
+            rows.append((name, f"{1000 * stages[name]:.1f}", "-" if cpu is None else f"{1000 * cpu:.1f}",
+                         "-" if core is None else f"{1000 * core:.1f}"))
+    lines += _table(rows) + [""]
+    figures = bottleneck.reported(v.wait_fraction, v.batches_per_s, v.workers_alive)
+    rows = [("WORKERS", "BATCHES/S (PREDICTED)")]
+    rows += [(f"{k}{' (now)' if k == v.workers_alive else ''}", f"{bottleneck.predict(figures, k):.1f}")
+             for k in sorted({1, 2, 4, 8, v.workers_alive})]
+    return "\n".join(lines + _table(rows))
 
 
 @main.group()

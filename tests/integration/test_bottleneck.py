@@ -3,6 +3,7 @@ a bottleneck put where a user's pipeline would have it, and the verdict of
 ``loader.stats()`` checked: the stage named, the reason in words."""
 import functools
 import json
+import threading
 import time
 
 import pytest
@@ -102,3 +103,37 @@ def test_a_workers_batches_that_wait_for_a_slow_trainer_show_as_queued():
     assert load["queuedS"] / 60 > 0.01  # each waited most of a step, made
     assert load["sendS"] / 60 < load["queuedS"] / 60  # a same-host frame is a name: quick to send
     assert "QUEUED/SEND" in text
+
+
+def test_dpex_profile_watches_a_job_and_prints_its_verdict_stages_and_what_if():
+    with test_cluster(num_workers=1) as c:
+        out = run("dpex", "profile", "--dispatcher", c.address, "--seconds", "0.5")
+        assert out.returncode == 0 and "no running job" in out.stdout
+        out = run("dpex", "profile", "--dispatcher", c.address, "--job", "nosuch", "--seconds", "0")
+        assert out.returncode != 0 and "no job nosuch" in out.stderr
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=8000, delay_s=0.005)
+        stop, got = threading.Event(), []
+
+        def train():
+            with dpex.RemoteDataLoader(c.address, spec, batch_size=B, job_name="profiled", timeout=60) as dl:
+                for _ in dl:
+                    got.append(1)
+                    if stop.is_set():
+                        break
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        try:
+            wait_until(lambda: "bottleneck" in json.loads(
+                run("dpex", "status", "--dispatcher", c.address, "--json").stdout)["jobs"][0], 60, "a verdict")
+            out = run("dpex", "profile", "--dispatcher", c.address, "--job", "profiled", "--seconds", "2")
+        finally:
+            stop.set()
+            trainer.join()
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "(profiled):" in text and "over its last window: storage" in text and "--processes" in text
+    tables = text.split("\n\n")
+    stage_rows = {line.split()[0]: line.split()[1:] for line in tables[1].splitlines()[1:]}
+    assert float(stage_rows["dataset"][0]) > 15 and float(stage_rows["dataset"][1]) < 10  # ms: waits, not CPU
+    whatif = {line.split()[0]: float(line.split()[-1]) for line in tables[2].splitlines()[1:]}
+    assert whatif["2"] == pytest.approx(2 * whatif["1"], rel=0.01) and whatif["8"] > whatif["4"]  # storage-bound
