@@ -92,6 +92,12 @@ class NetnsCluster:
         """Cuts the node's link at the hub: its packets go nowhere."""
         _ip("link", "set", self._link(node), "down", ns=f"{self.tag}-hub")
 
+    def shape(self, node: str, mbit: float) -> None:
+        """Holds what the node sends to ``mbit`` Mbit/s (tc's token bucket on its end of the link)."""
+        veth = f"{self._link(node)[:-1]}n"
+        subprocess.run(["ip", "netns", "exec", self.ns(node), "tc", "qdisc", "add", "dev", veth, "root", "tbf",
+                        "rate", f"{mbit}mbit", "burst", "64kb", "latency", "1s"], check=True, capture_output=True)
+
     # ---- daemons ------------------------------------------------------------------
     def _spawn(self, node: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{node}.log"), "ab")
