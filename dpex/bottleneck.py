@@ -27,7 +27,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 VERDICTS = ("none", "workers", "storage", "network", "trainer", "straggler")
 
@@ -147,6 +147,29 @@ def verdict(f: Figures) -> tuple[str, str]:
     more = f"about {wanted} keep up" if wanted == step else f"try {step} ({MAX_SCALE_STEP}x) and measure again"
     return "workers", (f"{waited}: the workers' processes are the limit; add workers ({more}). "
                        f"A batch's time: {shares}{crowded}")
+
+
+class Reported(NamedTuple):
+    """A consumer's verdict as its trainer reported it (a dpex.v1.Verdict's fields)."""
+    consumer: int
+    wait_fraction: float
+    bottleneck: str
+    reason: str
+
+
+def of_job(consumers: list[Reported]) -> tuple[Reported, str, str]:
+    """A job's verdict from its consumers' (one at least): that of the consumer
+    that waited most, with its word and reason; ``straggler`` when it is input-bound
+    and its peers (DDP ranks, say) hardly wait: they wait for it in their collectives."""
+    top = max(consumers, key=lambda c: (c.wait_fraction, -c.consumer))
+    peers = [c for c in consumers if c is not top]
+    if peers and top.wait_fraction > INPUT_BOUND_WAIT_FRACTION \
+            and all(c.wait_fraction <= INPUT_BOUND_WAIT_FRACTION for c in peers):
+        most = max(c.wait_fraction for c in peers)
+        return top, "straggler", (f"consumer {top.consumer} waited {100 * top.wait_fraction:.0f}% of the time for "
+                                  f"data, its {len(peers)} peers at most {100 * most:.0f}%: it holds them back. Its "
+                                  f"own verdict: {top.bottleneck}: {top.reason}")
+    return top, top.bottleneck, top.reason
 
 
 def _ms(seconds: float) -> str:

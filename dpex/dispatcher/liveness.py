@@ -6,6 +6,7 @@ import socket
 import time
 from typing import Callable, Iterable
 
+from dpex import bottleneck
 from dpex.proto import dispatcher_pb2 as dpb
 
 
@@ -41,17 +42,18 @@ class Liveness:
             self._verdicts[(job_id, consumer)] = (verdict, now)
 
     def verdict(self, job_id: int, max_age_s: float = 60.0) -> dpb.Verdict | None:
-        """Where the job's time goes: the verdict its consumer that waited most
-        reported in the last ``max_age_s`` (dpex.bottleneck), naming that consumer; None: none reported."""
+        """Where the job's time goes (dpex.bottleneck.of_job): the verdict its consumer that
+        waited most reported in the last ``max_age_s``, naming that consumer (``straggler`` when
+        its peers hardly wait); None: none reported."""
         now = self.clock()
-        recent = [(v.wait_fraction, c, v) for (j, c), (v, when) in self._verdicts.items()
-                  if j == job_id and now - when <= max_age_s]
+        recent = {c: v for (j, c), (v, when) in self._verdicts.items() if j == job_id and now - when <= max_age_s}
         if not recent:
             return None
-        _, consumer, verdict = max(recent, key=lambda r: (r[0], -r[1]))
+        top, word, reason = bottleneck.of_job([bottleneck.Reported(c, v.wait_fraction, v.bottleneck, v.reason)
+                                               for c, v in recent.items()])
         named = dpb.Verdict()
-        named.CopyFrom(verdict)
-        named.consumer_index = consumer
+        named.CopyFrom(recent[top.consumer])
+        named.consumer_index, named.bottleneck, named.reason = top.consumer, word, reason
         return named
 
     def demand(self, max_age_s: float = 15.0) -> tuple[int, float, float, int]:

@@ -137,3 +137,38 @@ def test_dpex_profile_watches_a_job_and_prints_its_verdict_stages_and_what_if():
     assert float(stage_rows["dataset"][0]) > 15 and float(stage_rows["dataset"][1]) < 10  # ms: waits, not CPU
     whatif = {line.split()[0]: float(line.split()[-1]) for line in tables[2].splitlines()[1:]}
     assert whatif["2"] == pytest.approx(2 * whatif["1"], rel=0.01) and whatif["8"] > whatif["4"]  # storage-bound
+
+
+def test_a_rank_starved_while_its_peer_is_not_makes_the_job_a_straggler(cluster):
+    """Two consumers of one job (DDP ranks): rank 1 waits for its data, rank 0
+    computes; the job's verdict names rank 1 and says what holds it back."""
+    spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=100_000, delay_s=0.003)
+    stop, failed = threading.Event(), []
+
+    def rank(index, step_s):
+        try:
+            with dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, job_name="ranks", num_consumers=2,
+                                       consumer_index=index, timeout=60) as dl:
+                for _ in dl:
+                    time.sleep(step_s)
+                    if stop.is_set():
+                        break
+        except Exception as e:  # noqa: BLE001 - the test's to report
+            failed.append(e)
+    ranks = [threading.Thread(target=rank, args=(0, 0.1)), threading.Thread(target=rank, args=(1, 0.0))]
+    for t in ranks:
+        t.start()
+    try:
+        def job():
+            jobs = json.loads(run("dpex", "status", "--dispatcher", cluster.address, "--json").stdout)["jobs"]
+            return next((j for j in jobs if j["name"] == "ranks" and "bottleneck" in j), None)
+        wait_until(lambda: (job() or {}).get("bottleneck", {}).get("bottleneck") == "straggler", 60,
+                   "the job's verdict to name the starved rank")
+        verdict = job()["bottleneck"]
+    finally:
+        stop.set()
+        for t in ranks:
+            t.join()
+    assert not failed, failed
+    assert verdict["consumerIndex"] == 1 and "consumer 1 waited" in verdict["reason"]
+    assert "its own verdict: storage" in verdict["reason"].lower()

@@ -67,12 +67,16 @@ def test_a_jobs_verdict_is_its_most_waiting_consumers_recent_one():
     clock = Clock()
     seen = Liveness(clock)
     seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="none", reason="r0", wait_fraction=0.05))
-    seen.consumer(1, 1, verdict=dpb.Verdict(bottleneck="straggler", reason="r1", wait_fraction=0.6,
+    seen.consumer(1, 1, verdict=dpb.Verdict(bottleneck="storage", reason="r1", wait_fraction=0.6,
                                             stages={"dataset": 0.2}))
     seen.consumer(2, 0)  # a sync without a verdict (not measured yet): none shown
-    got = seen.verdict(1)
+    got = seen.verdict(1)  # one rank starved, its peer not: it holds the peer back
     assert (got.bottleneck, got.consumer_index, dict(got.stages)) == ("straggler", 1, {"dataset": 0.2})
+    assert "consumer 1 waited 60%" in got.reason and got.reason.endswith("storage: r1")
     assert seen.verdict(2) is None
+    seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="workers", reason="r0", wait_fraction=0.5))
+    assert (seen.verdict(1).bottleneck, seen.verdict(1).reason) == ("storage", "r1")  # both wait: the most's own
+    seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="none", reason="r0", wait_fraction=0.05))
     clock.now += 61
     seen.consumer(1, 0, verdict=dpb.Verdict(bottleneck="none", reason="r0", wait_fraction=0.05))
     assert seen.verdict(1).consumer_index == 0  # consumer 1's is a minute old
