@@ -22,10 +22,10 @@ from dpex.testing import test_cluster  # noqa: E402
 B = 8
 
 
-def measure(workers: int, batches: int, delay_s: float, step_s: float) -> dpex.LoaderStats:
+def measure(workers: int, batches: int, delay_s: float, step_s: float, processes: int = 1) -> dpex.LoaderStats:
     """The trainer's stats over ``batches`` batches (after a first epoch's start) with ``workers`` workers."""
     spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=B * (batches + 20), delay_s=delay_s)
-    with test_cluster(num_workers=workers, processes=1) as c:
+    with test_cluster(num_workers=workers, processes=processes) as c:
         with dpex.RemoteDataLoader(c.address, spec, batch_size=B, timeout=120) as dl:
             it = iter(dl)
             for _ in range(20):  # the epoch's start and the workers' first splits: not what is compared
@@ -52,6 +52,11 @@ def main() -> None:
         predicted = one.predict(k)
         measured = measure(k, a.batches, delay_s, step_s).batches_per_s
         print(f"{k:>7}  {predicted:>9.1f}  {measured:>8.1f}  {measured / predicted:>5.2f}", flush=True)
+    print(f"{'1 worker, processes':>19}  {'predicted':>9}  {'measured':>8}  {'ratio':>5}")
+    for p in (2, 3):  # the storage verdict's lever: more processes waiting on the same cores
+        predicted = one.predict(processes=p)
+        measured = measure(1, a.batches, delay_s, step_s, processes=p).batches_per_s
+        print(f"{p:>19}  {predicted:>9.1f}  {measured:>8.1f}  {measured / predicted:>5.2f}", flush=True)
 
 
 if __name__ == "__main__":

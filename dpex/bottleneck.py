@@ -51,6 +51,7 @@ class Figures:
     workers_alive: int
     stages: Mapping[str, float] = field(default_factory=dict)
     per_worker: Mapping[str, float] = field(default_factory=dict)
+    processes: float = 0.0  # the workers' batch processes each, on average (0: not known)
 
     @property
     def wait_fraction(self) -> float:
@@ -71,10 +72,12 @@ class Figures:
         return (self.elapsed_s - self.wait_s) / self.batches if self.batches else 0.0
 
 
-def reported(wait_fraction: float, batches_per_s: float, workers_alive: int, window_s: float = 10.0) -> Figures:
+def reported(wait_fraction: float, batches_per_s: float, workers_alive: int, processes: float = 0.0,
+             window_s: float = 10.0) -> Figures:
     """Figures equal, for :func:`predict` and :func:`need`, to a window a trainer
-    reported (its wait share and rate: a dpex.v1.Verdict)."""
-    return Figures(round(batches_per_s * window_s), window_s, wait_fraction * window_s, workers_alive)
+    reported (its wait share, rate, live workers and their processes: a dpex.v1.Verdict)."""
+    return Figures(round(batches_per_s * window_s), window_s, wait_fraction * window_s, workers_alive,
+                   processes=processes)
 
 
 def need(f: Figures, capped: bool = True) -> int:
@@ -92,15 +95,22 @@ def need(f: Figures, capped: bool = True) -> int:
     return min(wanted, step) if capped else wanted
 
 
-def predict(f: Figures, workers: int) -> float:
+def predict(f: Figures, workers: int | None = None, processes: int | None = None) -> float:
     """The batches/s the trainer would take with ``workers`` workers like the
-    live ones: theirs scale with their number (each makes what it makes now),
-    up to what the trainer's own step allows. A trainer that hardly waits
-    shows no more of its workers' speed than its own: more of them give the
-    same; fewer, at least their share of today's rate."""
+    live ones (default: as many as now), each with ``processes`` batch
+    processes (default: as now): their supply scales with their number, and
+    with their processes where those wait on storage (a ``storage`` verdict:
+    on the same cores; CPU-bound processes gain nothing past the cores), up to
+    what the trainer's own step allows. A trainer that hardly waits shows no
+    more of its workers' speed than its own: more give the same; fewer, at
+    least their share of today's rate."""
     if f.batches == 0 or f.workers_alive == 0:
         return 0.0
-    supply = f.rate * workers / f.workers_alive
+    supply = f.rate * (f.workers_alive if workers is None else workers) / f.workers_alive
+    if processes is not None:
+        if not f.processes:
+            raise ValueError("the workers' processes are not known (an IterableDataset's streams, or older workers)")
+        supply *= processes / f.processes
     if not f.input_bound:
         return min(f.rate, supply)
     computing = f.computing_s

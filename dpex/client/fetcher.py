@@ -576,7 +576,7 @@ class EpochFetcher:
             except DpexWireError as e:
                 return self._corrupt_frame(got.address, seq, e)
         self._meter.received(got.address, meta.stages if meta.HasField("stages") else None, got.receive_s,
-                             time.perf_counter() - begun)
+                             time.perf_counter() - begun, meta.processes)
         ledger.receive(seq, (meta, batch, size))
         self._control.ack(seq)
         self._control.next_seq = ledger.low

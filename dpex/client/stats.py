@@ -53,11 +53,12 @@ class LoaderStats:
     bottleneck_reason: str = ""
     figures: Figures | None = field(default=None, repr=False, compare=False)
 
-    def predict(self, workers: int) -> float:
+    def predict(self, workers: int | None = None, processes: int | None = None) -> float:
         """The batches/s the trainer would take with ``workers`` workers like
-        the live ones (dpex.bottleneck.predict: the model the autoscaler's
-        need comes from)."""
-        return bottleneck.predict(self.figures, workers) if self.figures is not None else 0.0
+        the live ones, each with ``processes`` batch processes (where they wait
+        on storage) (dpex.bottleneck.predict: the model the autoscaler's need
+        comes from)."""
+        return bottleneck.predict(self.figures, workers, processes) if self.figures is not None else 0.0
 
 
 # A batch process's stages (dpex.v1.StageTimes, without the _s), as LoaderStats.stages names them.
@@ -81,6 +82,7 @@ class _Sums:
         self.received = 0  # batches received (their trainer stages timed)
         self.timed: set[str] = set()  # the trainer stages measured at least once
         self.by_worker: dict[str, list[float]] = {}  # address -> [seconds its batch processes took, batches]
+        self.processes: dict[str, int] = {}  # address -> its batch processes, as its frames say
 
     def taken(self, elapsed: float, wait: float, nbytes: int) -> None:
         self.elapsed += elapsed
@@ -88,8 +90,11 @@ class _Sums:
         self.batches += 1
         self.nbytes += nbytes
 
-    def received_one(self, address: str, times: Any | None, receive_s: float, decode_s: float) -> None:
+    def received_one(self, address: str, times: Any | None, receive_s: float, decode_s: float,
+                     processes: int) -> None:
         self.received += 1
+        if processes:
+            self.processes[address] = processes
         self.stages["receive"] += receive_s
         self.stages["decode"] += decode_s
         self.timed.update(("decode",) + (("receive",) if receive_s else ()))
@@ -110,7 +115,8 @@ class _Sums:
         stages.update((name, self.stages[name] / self.received) for name in TRAINER_STAGES
                       if name in self.timed and self.received)
         return Figures(self.batches, self.elapsed, self.wait, workers_alive, stages,
-                       {a: t / n for a, (t, n) in self.by_worker.items() if n})
+                       {a: t / n for a, (t, n) in self.by_worker.items() if n},
+                       sum(self.processes.values()) / len(self.processes) if self.processes else 0.0)
 
 
 class StatsMeter:
@@ -135,13 +141,15 @@ class StatsMeter:
             for sums in (self._total, self._window):
                 sums.taken(now - since, now - asked_at, nbytes)
 
-    def received(self, address: str, times: Any | None, receive_s: float, decode_s: float) -> None:
+    def received(self, address: str, times: Any | None, receive_s: float, decode_s: float,
+                 processes: int = 0) -> None:
         """A batch received from worker ``address``: its batch process's stage
         times (a dpex.v1.StageTimes; None: not timed), the seconds its frame
-        took to read off the data socket (0: it did not come on one) and to decode."""
+        took to read off the data socket (0: it did not come on one) and to
+        decode, and the worker's batch processes (0: not said)."""
         with self._lock:
             for sums in (self._total, self._window):
-                sums.received_one(address, times, receive_s, decode_s)
+                sums.received_one(address, times, receive_s, decode_s, processes)
 
     def pinned(self, seconds: float) -> None:
         """A batch was pinned in ``seconds``."""
@@ -179,7 +187,7 @@ class StatsMeter:
                 word, reason = bottleneck.verdict(figures)
                 self._verdict = Verdict(bottleneck=word, reason=reason, stages=figures.stages,
                                         wait_fraction=figures.wait_fraction, batches_per_s=figures.rate,
-                                        workers_alive=figures.workers_alive)
+                                        workers_alive=figures.workers_alive, processes=figures.processes)
                 self._window = _Sums()
             return self._recent
 

@@ -184,11 +184,18 @@ def render_profile(job: Any, rate: float, watched_s: float) -> str:
             rows.append((name, f"{1000 * stages[name]:.1f}", "-" if cpu is None else f"{1000 * cpu:.1f}",
                          "-" if core is None else f"{1000 * core:.1f}"))
     lines += _table(rows) + [""]
-    figures = bottleneck.reported(v.wait_fraction, v.batches_per_s, v.workers_alive)
+    figures = bottleneck.reported(v.wait_fraction, v.batches_per_s, v.workers_alive, v.processes)
     rows = [("WORKERS", "BATCHES/S (PREDICTED)")]
     rows += [(f"{k}{' (now)' if k == v.workers_alive else ''}", f"{bottleneck.predict(figures, k):.1f}")
              for k in sorted({1, 2, 4, 8, v.workers_alive})]
-    return "\n".join(lines + _table(rows))
+    lines += _table(rows)
+    if v.bottleneck == "storage" and v.processes:  # the lever: processes wait, more of them on the same cores
+        now = round(v.processes)
+        rows = [(f"PROCESSES A WORKER ({v.workers_alive} WORKERS)", "BATCHES/S (PREDICTED)")]
+        rows += [(f"{p}{' (now)' if p == now else ''}", f"{bottleneck.predict(figures, processes=p):.1f}")
+                 for p in sorted({now, 2 * now, 4 * now})]
+        lines += [""] + _table(rows)
+    return "\n".join(lines)
 
 
 @main.group()

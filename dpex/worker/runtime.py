@@ -203,7 +203,7 @@ class BatchProcess:
         hand-off file: see dpex.shm)."""
         from dpex.wire import encode_parts, frame_parts
         from dpex.wire.compression import compress
-        stages = Stages(task.key.header(), "build")
+        stages = Stages(task.key.header(processes=self.count), "build")
         meta, index, slab = stages.meta, -1, None
         try:
             job = self.load_job(task.key.job_id, task.job_path)

@@ -44,6 +44,7 @@ def test_a_dataset_that_sleeps_on_storage_calls_for_processes(cluster):
     assert stats.bottleneck == "storage", stats.bottleneck_reason
     assert "--processes" in stats.bottleneck_reason
     assert stats.stages["dataset_cpu"] < stats.stages["dataset"] / 2
+    assert stats.figures.processes == 1 and stats.predict(processes=2) == pytest.approx(2 * stats.predict())
 
 
 def test_a_heavy_collate_fn_calls_for_workers_and_names_collation(cluster):
@@ -137,6 +138,9 @@ def test_dpex_profile_watches_a_job_and_prints_its_verdict_stages_and_what_if():
     assert float(stage_rows["dataset"][0]) > 15 and float(stage_rows["dataset"][1]) < 10  # ms: waits, not CPU
     whatif = {line.split()[0]: float(line.split()[-1]) for line in tables[2].splitlines()[1:]}
     assert whatif["2"] == pytest.approx(2 * whatif["1"], rel=0.01) and whatif["8"] > whatif["4"]  # storage-bound
+    assert tables[3].startswith("PROCESSES A WORKER (1 WORKERS)")  # storage: the processes' lever too
+    processes = {line.split()[0]: float(line.split()[-1]) for line in tables[3].splitlines()[1:]}
+    assert processes["2"] == pytest.approx(2 * processes["1"], rel=0.01)
 
 
 def test_a_rank_starved_while_its_peer_is_not_makes_the_job_a_straggler(cluster):

@@ -64,3 +64,11 @@ def test_the_prediction_scales_the_workers_up_to_the_trainers_step_and_the_need_
     idle = Figures(batches=100, elapsed_s=10.0, wait_s=0.5, workers_alive=2)
     assert need(idle) == 2 and predict(idle, 4) == pytest.approx(10)  # faster workers show nothing
     assert predict(Figures(0, 0.0, 0.0, 0), 3) == 0.0
+
+
+def test_processes_scale_the_supply_where_that_is_the_lever():
+    f = Figures(**WAITING, processes=2.0)  # 10 batches/s from 2 workers of 2 processes
+    assert predict(f, processes=4) == pytest.approx(20) and predict(f, 4, processes=4) == pytest.approx(40)
+    assert predict(f, processes=100) == pytest.approx(50)  # the trainer's step is still the limit
+    with pytest.raises(ValueError, match="processes are not known"):
+        predict(Figures(**WAITING), processes=4)
