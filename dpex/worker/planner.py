@@ -42,11 +42,13 @@ class Planner(Generic[T]):
                           None)
             return
         spec = split.sampler
-        if not samplers.draws_order(spec):
-            self._threads.submit(self._plan, item)
-            return
-        key = samplers.order_key(spec)
-        with self._lock:  # one thread per order: the others stay free for other jobs
+        # One thread per order (the others stay free for other jobs); a description that draws
+        # none, per consumer's epoch: its splits are planned as they came, so the first are made
+        # first, each batch by the process torch's index queues would give it (batch i by process
+        # i mod n: the pool cycles a consumer's epoch through its processes in the order it submits).
+        key = samplers.order_key(spec) if samplers.draws_order(spec) else \
+            b"epoch %d %d %d" % (split.job_id, split.consumer_index, split.epoch)
+        with self._lock:
             waiting = self._drawing.get(key)
             if waiting is not None:
                 waiting.append(item)
@@ -55,7 +57,7 @@ class Planner(Generic[T]):
         self._threads.submit(self._plan_order, key)
 
     def _plan_order(self, key: bytes) -> None:
-        """Plans the items of one order as they come; the first draws it."""
+        """Plans the items of one order (or epoch) as they came; the first draws it."""
         while True:
             with self._lock:
                 items = self._drawing[key]

@@ -47,3 +47,23 @@ def test_a_split_that_cannot_be_computed_is_reported_with_its_error():
     spec.torch_version = "0.0.1"  # another torch release: refused
     (batches, places, error), = run([dpb.Split(first_seq=0, num_batches=1, sampler=spec)]).values()
     assert batches is None and places is None and "torch 0.0.1" in str(error)
+
+
+def test_the_splits_of_an_epoch_that_draws_no_order_are_planned_as_they_came():
+    """A SequentialSampler's splits: once planned on threads of their own, the
+    later ones could be made first, each batch then by another process than
+    torch's index queues give it (the suite met batch 4 of 16 made by process 0 of 3)."""
+    spec = described(tud.SequentialSampler(Indices(40)))
+    order, threads, finished = [], set(), threading.Event()
+
+    def planned(split, batches, places, error):
+        order.append(split.first_seq)
+        threads.add(threading.get_ident())
+        if len(order) == 5:
+            finished.set()
+    planner = Planner(lambda split: split, lambda split: True, planned)
+    for first in (0, 2, 4, 6, 8):
+        planner.plan(dpb.Split(job_id=1, epoch=0, first_seq=first, num_batches=2, sampler=spec))
+    assert finished.wait(60)
+    planner.close()
+    assert order == [0, 2, 4, 6, 8] and len(threads) == 1
