@@ -141,12 +141,11 @@ def verdict(f: Figures) -> tuple[str, str]:
     if waited_per_batch > 0 and trainer >= SHARE * waited_per_batch:
         return "trainer", (f"{waited}; decoding and pinning take {_ms(trainer)} of the {_ms(waited_per_batch)} "
                            "it waits a batch: the trainer's receiving side is the limit")
-    dataset, cpu = stages.get("dataset", 0.0), stages.get("dataset_cpu", 0.0)
-    for_a_core = stages.get("dataset_cpu_wait", 0.0) + stages.get("collate_cpu_wait", 0.0)
+    dataset, cpu, dataset_for_a_core = (stages.get(k, 0.0) for k in ("dataset", "dataset_cpu", "dataset_cpu_wait"))
+    for_a_core = dataset_for_a_core + stages.get("collate_cpu_wait", 0.0)
     made = {"the dataset's code": dataset, "collate_fn": stages.get("collate", 0.0), "Dpex": stages.get("dpex", 0.0)}
     total = sum(made.values())
-    if dataset > 0 and dataset - stages.get("dataset_cpu_wait", 0.0) >= STORAGE_RATIO * cpu \
-            and dataset >= max(made.values()):
+    if dataset > 0 and dataset - dataset_for_a_core >= STORAGE_RATIO * cpu and dataset >= max(made.values()):
         return "storage", (f"{waited}; the dataset's code waits: {_ms(dataset)} a batch, {_ms(cpu)} of it on a "
                            "CPU (storage or the network): more processes per worker (--processes) help without "
                            "more cores")

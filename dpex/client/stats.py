@@ -127,9 +127,7 @@ class StatsMeter:
         self._last: tuple[object, float] | None = None  # (epoch's key, time of its last batch)
         self.workers_alive = 0
         self._recent = 0
-        self._verdict: Verdict | None = None  # the last window's, for the dispatcher
-        self.recent_wait = 0.0   # the share of the last window spent waiting (with recent_need)
-        self.recent_rate = 0.0   # batches per second taken over the last window
+        self._verdict: Verdict | None = None  # the last window's (its wait share and rate too), for the dispatcher
 
     def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
         """A batch of ``epoch`` (a key, not the iterator: the meter must not
@@ -166,7 +164,8 @@ class StatsMeter:
         window, for the dispatcher; (0, 0) once the trainer has taken no batch
         for a window (it paused: it waits for nothing)."""
         with self._lock:
-            return (0.0, 0.0) if self._stale() else (self.recent_wait, self.recent_rate)
+            v = None if self._stale() else self._verdict
+            return (0.0, 0.0) if v is None else (v.wait_fraction, v.batches_per_s)
 
     def recent_verdict(self) -> Verdict | None:
         """Where the time went over the last window (a dpex.v1.Verdict), for the
@@ -183,7 +182,6 @@ class StatsMeter:
             if self._window.elapsed >= window and self.workers_alive > 0:
                 figures = self._window.figures(self.workers_alive)
                 self._recent = bottleneck.need(figures)
-                self.recent_wait, self.recent_rate = figures.wait_fraction, figures.rate
                 word, reason = bottleneck.verdict(figures)
                 self._verdict = Verdict(bottleneck=word, reason=reason, stages=figures.stages,
                                         wait_fraction=figures.wait_fraction, batches_per_s=figures.rate,
@@ -198,15 +196,14 @@ class StatsMeter:
                 self._total = _Sums()
                 self._last = None
         fraction, computing = figures.wait_fraction, figures.elapsed_s - figures.wait_s
-        cap = MAX_SCALE_STEP * max(1, figures.workers_alive)
-        needed = bottleneck.need(figures, capped=False)
+        needed, step = bottleneck.need(figures, capped=False), bottleneck.need(figures)
         if not figures.input_bound:
             advice = f"not input-bound: the trainer waited {100 * fraction:.0f}% of the time"
-        elif needed > cap:
+        elif needed > step:
             advice = (f"input-bound, and the trainer does almost no work between batches "
                       f"({computing:.2f}s of {figures.elapsed_s:.2f}s): more workers help until the network or the "
-                      f"trainer's receiving is the limit; try {cap} ({MAX_SCALE_STEP}x) and measure again")
-            needed = cap
+                      f"trainer's receiving is the limit; try {step} ({MAX_SCALE_STEP}x) and measure again")
+            needed = step
         else:
             advice = (f"input-bound: the trainer waited {100 * fraction:.0f}% of the time; {needed} workers "
                       f"of the measured speed would keep up")

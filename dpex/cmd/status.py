@@ -1,7 +1,8 @@
 """dpex: operator commands (``dpex status``, ``dpex profile``, ``dpex ray start|status|stop``)."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -89,14 +90,40 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _dispatcher_options(command: Callable) -> Callable:
+    """The options that reach a dispatcher: its address, how long to try, its token, its CA."""
+    for option in reversed((
+            click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
+                         help="The dispatcher's HOST:PORT."),
+            click.option("--timeout", type=float, default=5.0, envvar="DPEX_TIMEOUT", show_envvar=True,
+                         show_default=True, help="Seconds to try to reach the dispatcher."),
+            click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
+                         envvar="DPEX_AUTH_TOKEN_FILE", show_envvar=True,
+                         help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN)."),
+            tls_ca_option)):
+        command = option(command)
+    return command
+
+
+@contextlib.contextmanager
+def _statuses(dispatcher: str, timeout: float, auth_token_file: str | None,
+              tls_ca: str | None) -> Iterator[Callable[[], Any]]:
+    """A function that reads the dispatcher's status (a GetStatusResponse),
+    on one channel; a dispatcher that cannot be reached is the command's failure."""
+    from dpex.proto import dispatcher_pb2 as dpb
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    from dpex.auth import load_ca, load_token
+    from dpex.rpc import call, channel
+    try:
+        with channel(dispatcher, load_token(auth_token_file), load_ca(tls_ca)) as ch:
+            yield lambda: call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(),
+                               target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
+    except DpexError as e:
+        fail(str(e))
+
+
 @main.command()
-@click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
-              help="The dispatcher's HOST:PORT.")
-@click.option("--timeout", type=float, default=5.0, envvar="DPEX_TIMEOUT", show_envvar=True,
-              show_default=True, help="Seconds to try to reach the dispatcher.")
-@click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None, envvar="DPEX_AUTH_TOKEN_FILE",
-              show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
-@tls_ca_option
+@_dispatcher_options
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON instead of tables.")
 def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None,
            as_json: bool) -> None:
@@ -104,16 +131,8 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
     sent, heartbeat) and jobs (consumers, epoch, batches planned and
     delivered, which share their batches: equal SHARES, and why one shares nothing),
     and where each live job's time goes (its trainers' verdict, in words)."""
-    from dpex.proto import dispatcher_pb2 as dpb
-    from dpex.proto import dispatcher_pb2_grpc as dgrpc
-    from dpex.auth import load_ca, load_token
-    from dpex.rpc import call, channel
-    try:
-        with channel(dispatcher, load_token(auth_token_file), load_ca(tls_ca)) as ch:
-            response = call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(),
-                            target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
-    except DpexError as e:
-        fail(str(e))
+    with _statuses(dispatcher, timeout, auth_token_file, tls_ca) as read:
+        response = read()
     if as_json:
         from google.protobuf.json_format import MessageToJson
         click.echo(MessageToJson(response, always_print_fields_with_no_presence=True))
@@ -122,37 +141,19 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
 
 
 @main.command()
-@click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
-              help="The dispatcher's HOST:PORT.")
+@_dispatcher_options
 @click.option("--job", "jobs", multiple=True, help="A job's id or name (repeatable) [default: every live job].")
 @click.option("--seconds", type=float, default=15.0, show_default=True, help="How long to watch.")
-@click.option("--timeout", type=float, default=5.0, envvar="DPEX_TIMEOUT", show_envvar=True,
-              show_default=True, help="Seconds to try to reach the dispatcher.")
-@click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None, envvar="DPEX_AUTH_TOKEN_FILE",
-              show_envvar=True, help="File holding the dispatcher's token (or set DPEX_AUTH_TOKEN).")
-@tls_ca_option
-def profile(dispatcher: str, jobs: tuple[str, ...], seconds: float, timeout: float, auth_token_file: str | None,
-            tls_ca: str | None) -> None:
+def profile(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca: str | None,
+            jobs: tuple[str, ...], seconds: float) -> None:
     """Watch jobs for a while, then say where their time goes: the verdict of
     each job's consumer that waited most, a batch's time by stage, and the
     batches/s that 1, 2, 4 and 8 workers like the live ones would give."""
     import time
-    from dpex.proto import dispatcher_pb2 as dpb
-    from dpex.proto import dispatcher_pb2_grpc as dgrpc
-    from dpex.auth import load_ca, load_token
-    from dpex.rpc import call, channel
-    try:
-        with channel(dispatcher, load_token(auth_token_file), load_ca(tls_ca)) as ch:
-            def get() -> Any:
-                return call(dgrpc.DispatcherStub(ch).GetStatus, dpb.GetStatusRequest(),
-                            target=f"dispatcher {dispatcher}", timeout_s=timeout, retry_for_s=timeout)
-            begun, first = time.monotonic(), get()
-            deadline = begun + seconds
-            while time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            last, watched = get(), time.monotonic() - begun
-    except DpexError as e:
-        fail(str(e))
+    with _statuses(dispatcher, timeout, auth_token_file, tls_ca) as read:
+        begun, first = time.monotonic(), read()
+        time.sleep(seconds)  # watching: the trainers' windows and the delivered count move meanwhile
+        last, watched = read(), time.monotonic() - begun
     if jobs:
         chosen = [j for j in last.jobs if str(j.job_id) in jobs or j.name in jobs]
         if not chosen:
