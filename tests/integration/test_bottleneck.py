@@ -3,10 +3,12 @@ a bottleneck put where a user's pipeline would have it, and the verdict of
 ``loader.stats()`` checked: the stage named, the reason in words."""
 import functools
 import json
+import os
 import threading
 import time
 
 import pytest
+import torch
 
 import dpex
 from dpex.testing import datasets, test_cluster, wait_until
@@ -176,3 +178,27 @@ def test_a_rank_starved_while_its_peer_is_not_makes_the_job_a_straggler(cluster)
     assert not failed, failed
     assert verdict["consumerIndex"] == 1 and "consumer 1 waited" in verdict["reason"]
     assert "its own verdict: storage" in verdict["reason"].lower()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pin_memory pins nothing without one)")
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host", "network-path"])
+def test_large_pinned_batches_on_a_trainer_held_to_one_core_call_its_receiving_side(shared_memory):
+    """64 MB batches pinned by a trainer held to one core while 8 batch
+    processes make them: pinning (same host) or reading frames into pinned
+    blocks (the network path) is the limit, and the verdict says so."""
+    with test_cluster(num_workers=2, processes=4) as c:
+        cores = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(cores)})  # the loader's threads, started below, inherit it
+        try:
+            stats = verdict(c.address, dpex.DatasetSpec("dpex.testing.datasets:Squares", n=96, dim=1 << 22),
+                            pin_memory=True, shared_memory=shared_memory)
+        finally:
+            os.sched_setaffinity(0, cores)
+    print(stats.bottleneck, stats.bottleneck_reason, {k: round(v * 1e3, 2) for k, v in stats.stages.items()})
+    assert stats.bottleneck in ("trainer", "network"), stats.bottleneck_reason
+    got = {k: stats.stages.get(k, 0.0) for k in ("pin", "decode", "receive")}
+    receiving = got["pin"] + got["decode"] + got["receive"] / stats.figures.workers_alive
+    made = stats.stages["dataset"] + stats.stages["collate"] + stats.stages["dpex"]
+    assert receiving > made / 8, stats.stages  # 8 processes make a batch in parallel; one thread receives it
+    assert ("pinning" if stats.bottleneck == "trainer" else "reading a batch off the network") in \
+        stats.bottleneck_reason
