@@ -55,10 +55,13 @@ class MetricsServer:
             page = pages.get(environ.get("PATH_INFO") or "/")
             if page is None:
                 return metrics(environ, start_response)
+            if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):  # as prometheus-client's /metrics answers
+                start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Length", "0")])
+                return [b""]
             content_type, body = page()
             start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body))),
                                       ("Cache-Control", "no-store")])
-            return [body]
+            return [body] if environ["REQUEST_METHOD"] == "GET" else [b""]
 
         class Server(ThreadingMixIn, WSGIServer):
             daemon_threads = True

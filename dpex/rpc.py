@@ -17,6 +17,7 @@ import grpc
 from google.protobuf import message_factory
 
 from dpex import errors
+from dpex.address import check_address
 from dpex.auth import AsyncTokenCheck, TokenCheck, with_token
 
 log = logging.getLogger("dpex.rpc")
@@ -272,21 +273,6 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
                             f"for {deadline - now:.0f}s more" if deadline < math.inf else "until it is back")
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1.0))
         delay = min(delay * 2, 1.0)
-
-
-def check_address(address: str) -> str:
-    """``HOST:PORT`` (``dpex://HOST:PORT`` too), or a DpexConfigError at once."""
-    text = address.strip() if isinstance(address, str) else ""
-    if text.startswith("dpex://"):
-        text = text[len("dpex://"):].rstrip("/")
-    host, _, port = text.rpartition(":")
-    bad = "://" in text or "/" in text or not host or not port.isdigit() or not 0 < int(port) < 65536 \
-        or (host.startswith("[") != host.endswith("]"))
-    if bad:
-        raise errors.DpexConfigError(
-            f"bad address {address!r}: expected HOST:PORT (e.g. 127.0.0.1:7070 or dispatcher:7070), "
-            "without a scheme or path")
-    return text
 
 
 _exiting = False           # the interpreter exits: an unreachable daemon is not waited for, nor said

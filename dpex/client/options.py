@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpex.errors import DpexConfigError
-from dpex.rpc import check_address
+from dpex.address import check_address
 from dpex.wire.compression import check as check_compression
 
 

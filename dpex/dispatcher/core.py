@@ -12,6 +12,7 @@ import logging
 import secrets
 
 from dpex import keys, version
+from dpex.address import check_address
 from dpex.dispatcher import assignment, polls
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.liveness import unreachable
@@ -33,8 +34,8 @@ class DispatcherCore(Journaled):
     # ---- workers ----------------------------------------------------------
     def register_worker(self, request, peer: str):
         self.trusted_only(peer, "registers workers (whose batches trainers unpickle)")
-        if not request.address or ":" not in request.address:
-            raise DpexConfigError(f"worker address must be HOST:PORT, got {request.address!r}")
+        if check_address(request.address) != request.address:  # trainers dial it: one that is not HOST:PORT fails them
+            raise DpexConfigError(f"bad address {request.address!r}: a worker registers as HOST:PORT")
         if request.versions.protocol != version.PROTOCOL:
             raise DpexConfigError(
                 f"this worker speaks another Dpex protocol: it is {version.describe(request.versions)}, the "

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import grpc
 
 from dpex.errors import DpexConfigError
-from dpex.rpc import answers_tcp, check_address, channel
+from dpex.address import check_address
+from dpex.rpc import answers_tcp, channel
 
 log = logging.getLogger("dpex.launch")
 

@@ -342,16 +342,19 @@ class Sized(Dataset):
 class Augmented(Dataset):
     """A random augmentation drawn from all three global generators: sample i
     is {"i": i, "x": i + torch.rand(4) + np.random.rand(4) + random.random()}
-    (float64, so that equal draws give bitwise-equal tensors)."""
+    (float64, so that equal draws give bitwise-equal tensors), read in
+    ``delay_s`` (as from storage)."""
 
-    def __init__(self, n: int = 96) -> None:
-        self.n = n
+    def __init__(self, n: int = 96, delay_s: float = 0.0) -> None:
+        self.n, self.delay_s = n, delay_s
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
         import random
+        import time
+        time.sleep(self.delay_s)
         noise = torch.rand(4, dtype=torch.float64) + torch.from_numpy(np.random.rand(4)) + random.random()
         return {"i": i, "x": noise + i}
 

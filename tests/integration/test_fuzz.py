@@ -1,7 +1,9 @@
 """Hostile input: random bytes on the raw ports, malformed protobuf to every
-method, valid messages naming unknown jobs and workers. The daemons must
-answer with an error status (or drop the connection), keep serving, and give
-a well-behaved client a correct epoch afterwards."""
+method, valid messages naming unknown jobs and workers, and a short run of
+the fuzzer on every port (dpex.testing.fuzz; the 10^5-input runs:
+benchmarks/fuzz.py). The daemons must answer with an error status (or drop
+the connection), keep serving, and give a well-behaved client a correct
+epoch afterwards."""
 import random
 import socket
 
@@ -13,6 +15,8 @@ from hypothesis import strategies as st
 import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.rpc import CHANNEL_OPTIONS
+from dpex.testing.fuzz import PORTS, run_fuzz
+from dpex.version import versions
 
 DISPATCHER_METHODS = ["RegisterWorker", "WorkerHeartbeat", "DeregisterWorker", "GetOrCreateJob", "GetJob",
                       "SubmitPlan", "SyncConsumer", "ReleaseConsumer", "GetStatus"]
@@ -111,3 +115,23 @@ def test_the_daemons_still_serve_a_good_client(target):
         got = [b["y"].tolist() for b in dl]
     assert sorted(y for b in got for y in b) == list(range(40)) and len(got) == 10
     assert [w.process.poll() for w in target.workers] == [None] and target.dispatcher.process.poll() is None
+
+
+def test_a_worker_registering_an_address_that_is_not_host_port_is_refused_and_trainers_go_on(target):
+    """The fuzzer's find: a RegisterWorker with a garbage address was taken, and
+    every trainer then failed building a channel to it ("bad address")."""
+    from dpex.proto import dispatcher_pb2_grpc as dgrpc
+    with grpc.insecure_channel(target.address) as ch:
+        for address in ["a0/.b. .0b:a0:a:0", "host:\u00b2", "a b:5", "dpex://127.0.0.1:5", "127.0.0.1:0"]:
+            with pytest.raises(grpc.RpcError) as info:
+                dgrpc.DispatcherStub(ch).RegisterWorker(
+                    dpb.RegisterWorkerRequest(versions=versions(), address=address), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "HOST:PORT" in info.value.details()
+    test_the_daemons_still_serve_a_good_client(target)
+
+
+def test_the_fuzzer_on_every_port_finds_nothing_and_a_job_runs_after_each():
+    reports = run_fuzz(inputs=1500, seed=7)
+    assert [r.port for r in reports] == list(PORTS)
+    for r in reports:
+        assert r.inputs >= 1000 and r.ok, f"{r}: {r.unhandled}"
