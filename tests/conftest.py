@@ -95,7 +95,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     def left() -> set[str]:
         # A directory whose owner a test killed is not a leak: the next Dpex process
         # removes it (test_lifecycle holds it to that). Do so now; what stays is one.
-        for kind in ("worker", "dispatcher", "cluster", "ray"):
+        for kind in ("worker", "dispatcher", "cluster", "ray", "chaos"):
             procutil.remove_dead_temp_dirs(kind)
         shm.remove_dead_dirs()
         new = leftovers() - before

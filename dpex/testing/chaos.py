@@ -26,15 +26,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
 import traceback
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+from dpex.procutil import temp_dir
 from dpex.testing.cluster import descendants, test_cluster
 
 EVENTS = ("kill_worker", "restart_worker", "freeze_worker", "stop_worker", "kill_batch_process",
@@ -347,8 +350,8 @@ def run_chaos(seed: int = 0, events: int = 6, ranks: int = 3, workers: int = 3, 
     job = job or Job(seed)
     report = ChaosReport(runs=1)
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="dpex-chaos-") as root, \
-            test_cluster(num_workers=workers, work_dir=os.path.join(root, "dispatcher")) as cluster:
+    root = temp_dir("chaos")  # named by this pid: not another run's leftover, removed by a later one if killed
+    with _removed(root), test_cluster(num_workers=workers, work_dir=os.path.join(root, "dispatcher")) as cluster:
         uninterrupted = ChaosReport()
         reference = _train(cluster, job, ranks, root, None, 0, uninterrupted)
         report.failures += [f"the uninterrupted run: {f}" for f in uninterrupted.failures]
@@ -359,3 +362,11 @@ def run_chaos(seed: int = 0, events: int = 6, ranks: int = 3, workers: int = 3, 
     report.seconds = time.monotonic() - start
     return report
 
+
+
+@contextmanager
+def _removed(path: str) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
