@@ -251,9 +251,10 @@ def test_no_imports_for_a_record_and_no_bare_pickle():
     lambda p: p[:4] + (10 ** 6).to_bytes(4, "little") + p[8:],  # header length past the end
     lambda p: p[:200],                                  # truncated buffers
     lambda p: p[:8] + b"\xc1" + p[9:],                  # invalid msgpack
+    lambda p: p.replace(b"<i2", b"(2,"),                 # a numpy descr numpy's parser takes for Python
 ])
 def test_corrupt_payloads_raise_wire_errors(mutate):
-    payload = encode({"a": torch.arange(100), "b": [1, 2]})
+    payload = encode({"a": torch.arange(100), "b": [1, 2], "c": np.arange(3, dtype="<i2")})
     with pytest.raises(DpexWireError, match="corrupt"):
         decode(mutate(payload))
 
