@@ -11,7 +11,9 @@ heartbeat timeout and thawed, one of its batch processes killed mid-batch (the
 OOM killer), the dispatcher killed (-9) or stopped (SIGTERM, as Kubernetes
 does) and started again from its journal, a worker joining, and every rank
 killed and the job started again from its last checkpoints, with 2 or 3
-ranks (torchrun 3 → 2 → 3: an elastic reshard when the number changes).
+ranks (torchrun 3 → 2 → 3: an elastic reshard when the number changes), and,
+where the journal lies on a small file system of its own, that disk filled
+for a while (``full_disk``).
 
 What the run trained on is what the checkpoints hold: a step redone after a
 kill counts once. Each epoch's samples are checked against the uninterrupted
@@ -35,7 +37,7 @@ import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dpex.procutil import temp_dir
 from dpex.testing.cluster import descendants, test_cluster
@@ -215,18 +217,19 @@ def _context() -> Any:
 
 
 def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | None, events: int,
-           report: ChaosReport, step_s: float = 0.0) -> list[tuple[int, int, bytes]]:
+           report: ChaosReport, step_s: float = 0.0, journal_dir: str | None = None) -> list[tuple[int, int, bytes]]:
     """Runs the job to its end, its steps taking ``step_s`` (besides waiting
     for data), with ``events`` faults at random steps (none without ``rng``);
     returns what it trained on."""
     ctx = _context()
     steps = ctx.Value("q", 0, lock=False)  # steps done, counted by rank 0
     total = job.epochs * job.samples // (ranks * job.batch_size)
+    kinds = random.Random(rng.getrandbits(64)) if rng else None  # the faults' kinds: from the seed alone
     last_at = max(2, total - 6)  # faults land while the job trains: the driver waits for some (a worker started)
     at = sorted(rng.sample(range(1, last_at), min(events, last_at - 1))) if rng else []
     gen = _Generation(ctx, cluster.address, job, ranks, [], ranks, root, steps, step_s)
     trained: list = []
-    thaw: list[tuple[float, Any]] = []  # (when, daemon)
+    undo: list[_Undo] = []  # faults that end later: a frozen worker thawed, a full disk given room
     pending: list[tuple[str, float]] = []  # faults waiting for the next step done: (kind, when)
     done, last = 0, time.monotonic()
     batch_process_killed = False  # in this generation: a rank may raise torch's words for it
@@ -243,11 +246,11 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
             report.padding += _padding(trained, job, world)
         return _Generation(ctx, cluster.address, job, world, states, saved_by, root, steps, step_s)
     try:
-        while gen.running() or thaw:
+        while gen.running() or undo:
             now = time.monotonic()
-            for when, daemon in [t for t in thaw if t[0] <= now]:
-                daemon.process.send_signal(signal.SIGCONT)
-                thaw.remove((when, daemon))
+            for u in [u for u in undo if u.when <= now]:
+                u.action()
+                undo.remove(u)
             if steps.value > done:
                 done = steps.value
                 for kind, when in pending:
@@ -270,7 +273,7 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
                 continue
             if at and done >= at[0] and gen.running():
                 at.pop(0)
-                kind = _fault(rng, cluster, thaw)
+                kind = _fault(rng, kinds, cluster, undo, journal_dir)
                 if kind == "kill_trainers":
                     report.failures.extend(gen.errors())
                     gen, batch_process_killed = restart(gen), False
@@ -280,19 +283,30 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
             time.sleep(0.02)  # a poll of the step counter, not a synchronisation
         report.stall_s = max(report.stall_s, time.monotonic() - last)
     finally:
-        for _, daemon in thaw:
-            daemon.process.send_signal(signal.SIGCONT)
+        for u in undo:
+            u.action()
         gen.kill()
     report.failures.extend(gen.errors())
     trained += gen.committed()[2]
     return trained
 
 
-def _fault(rng: random.Random, cluster: Any, thaw: list) -> str:
-    """Injects a fault of a kind drawn from EVENTS; returns its kind."""
-    frozen = {id(d) for _, d in thaw}
+@dataclass
+class _Undo:
+    """How a fault ends: ``action`` at ``when`` (monotonic); ``daemon``: the one it holds stopped."""
+    when: float
+    action: Callable[[], None]
+    daemon: Any = None
+
+
+def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_Undo],
+           journal_dir: str | None) -> str:
+    """Injects a fault of a kind drawn from EVENTS (and ``full_disk`` where the
+    journal lies on a small file system of its own) with ``kinds``; returns its
+    kind (a worker joins instead of the last serving one stopping)."""
+    frozen = {id(u.daemon) for u in undo if u.daemon is not None}
     serving = [k for k, w in enumerate(cluster.workers) if w.process.poll() is None and id(w) not in frozen]
-    kind = rng.choice(EVENTS)
+    kind = kinds.choice(EVENTS + (("full_disk",) if journal_dir else ()))
     if kind in ("kill_worker", "freeze_worker", "stop_worker") and len(serving) < 2:
         kind = "add_worker"  # one worker keeps serving
     if kind == "kill_worker":
@@ -303,7 +317,9 @@ def _fault(rng: random.Random, cluster: Any, thaw: list) -> str:
         daemon = cluster.workers[rng.choice(serving)]
         daemon.process.send_signal(signal.SIGSTOP)
         hold = rng.uniform(0.2, 1.0) if kind == "freeze_worker" else rng.uniform(1.5, 3.0) * HEARTBEAT_TIMEOUT_S
-        thaw.append((time.monotonic() + hold, daemon))
+        undo.append(_Undo(time.monotonic() + hold, lambda: daemon.process.send_signal(signal.SIGCONT), daemon))
+    elif kind == "full_disk":  # the journal's writes fail until the filler goes
+        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), _fill(journal_dir)))
     elif kind == "kill_batch_process":
         children = descendants(cluster.workers[rng.choice(serving)].process.pid)
         if children:
@@ -318,6 +334,18 @@ def _fault(rng: random.Random, cluster: Any, thaw: list) -> str:
     elif kind == "add_worker":
         cluster.add_workers(1)
     return kind
+
+
+def _fill(directory: str) -> Callable[[], None]:
+    """Fills the file system of ``directory``; returns what gives the room back."""
+    path = os.path.join(directory, f"filler-{uuid.uuid4().hex}")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:  # ENOSPC: full
+            pass
+    return lambda: os.unlink(path)
 
 
 def _check(trained: list, reference: list, report: ChaosReport) -> None:
@@ -343,21 +371,25 @@ def _padding(trained: list, job: Job, world: int) -> int:
 
 
 def run_chaos(seed: int = 0, events: int = 6, ranks: int = 3, workers: int = 3, job: Job | None = None,
-              step_s: float = 0.4) -> ChaosReport:
+              step_s: float = 0.4, journal_dir: str | None = None) -> ChaosReport:
     """One run: the uninterrupted job, then the same job (a new run of it,
     its steps taking ``step_s``, long enough for the faults to land while it
-    trains) with ``events`` faults; the second checked against the first."""
+    trains) with ``events`` faults; the second checked against the first.
+    ``journal_dir``: a small file system of its own (a tmpfs, see
+    dpex.testing.mounts) for the dispatcher's journal, which ``full_disk``
+    faults fill."""
     job = job or Job(seed)
     report = ChaosReport(runs=1)
     start = time.monotonic()
     root = temp_dir("chaos")  # named by this pid: not another run's leftover, removed by a later one if killed
-    with _removed(root), test_cluster(num_workers=workers, work_dir=os.path.join(root, "dispatcher")) as cluster:
+    work_dir = tempfile.mkdtemp(prefix="journal-", dir=journal_dir or root)
+    with _removed(root), _removed(work_dir), test_cluster(num_workers=workers, work_dir=work_dir) as cluster:
         uninterrupted = ChaosReport()
         reference = _train(cluster, job, ranks, root, None, 0, uninterrupted)
         report.failures += [f"the uninterrupted run: {f}" for f in uninterrupted.failures]
         if sorted((e, i) for e, i, _ in reference) != [(e, i) for e in range(job.epochs) for i in range(job.samples)]:
             report.failures.append("the uninterrupted run did not train on every sample once an epoch")
-        trained = _train(cluster, job, ranks, root, random.Random(seed), events, report, step_s)
+        trained = _train(cluster, job, ranks, root, random.Random(seed), events, report, step_s, journal_dir)
         _check(trained, reference, report)
     report.seconds = time.monotonic() - start
     return report

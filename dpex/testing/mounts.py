@@ -20,3 +20,11 @@ def run_with_tmpfs(script: str, path: str, size: str, *args: str, timeout_s: flo
     mount = f"mount -t tmpfs -o size={size} tmpfs {path} && exec {sys.executable} -c \"$0\" \"$@\""
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, script, *args],
                           capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+def exec_with_tmpfs(path: str, size: str, argv: list[str]) -> None:
+    """Replaces this process with ``argv`` run with a tmpfs of ``size`` mounted
+    on ``path`` (an empty directory, removed at the end) for it alone."""
+    mount = (f"mount -t tmpfs -o size={size} tmpfs {path} && {{ \"$@\"; rc=$?; umount {path}; rmdir {path}; "
+             "exit $rc; }")
+    os.execvp("unshare", ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", *argv])
