@@ -2,10 +2,13 @@
 trainer processes on a local cluster, faults at random steps, every sample
 compared bitwise with an uninterrupted run of the same seed), and its table.
 
-    .venv/bin/python benchmarks/chaos.py [--runs 200] [--seed 0] [--events 6] [--epochs 3] [--full-disk]
+    .venv/bin/python benchmarks/chaos.py [--runs 200] [--seed 0] [--events 6] [--epochs 3] [--full-disk] [--hosts]
 
 --full-disk (root, util-linux's unshare): the dispatcher's journal on a 4 MB
 tmpfs of the run's own mount namespace, and full_disk among the faults.
+--hosts (root, ip netns): the dispatcher, each worker and the trainers on
+hosts of their own (network namespaces), and cut_worker among the faults (a
+worker's host cut off the network and healed).
 
 Exits non-zero if any run lost, duplicated or changed a sample, stalled past
 its limit or failed.
@@ -35,7 +38,7 @@ def table(total: ChaosReport, stalls: list[float]) -> str:
     out += ["", "| fault | injected | slowest recovery (to the next step done) |", "|---|---|---|"]
     out += [f"| {kind} | {total.events.get(kind, 0)} | "
             f"{total.recovery_s[kind]:.1f} s |" if kind in total.recovery_s else
-            f"| {kind} | {total.events.get(kind, 0)} | - |" for kind in (*EVENTS, "full_disk")]
+            f"| {kind} | {total.events.get(kind, 0)} | - |" for kind in (*EVENTS, "full_disk", "cut_worker")]
     return "\n".join(out)
 
 
@@ -46,6 +49,7 @@ if __name__ == "__main__":
     p.add_argument("--events", type=int, default=6, help="faults a run")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--full-disk", action="store_true", help="the journal on a small tmpfs, full at times")
+    p.add_argument("--hosts", action="store_true", help="hosts of their own (network namespaces), links cut")
     args = p.parse_args()
     journal_dir = os.environ.get(TMPFS_ENV)
     if args.full_disk and not journal_dir:
@@ -58,7 +62,7 @@ if __name__ == "__main__":
     total, stalls, kinds = ChaosReport(), [], Counter()
     for k in range(args.runs):
         report = run_chaos(seed=args.seed + k, events=args.events, job=Job(args.seed + k, epochs=args.epochs),
-                           journal_dir=journal_dir)
+                           journal_dir=journal_dir, hosts=args.hosts)
         print(f"seed {args.seed + k}: {report}", flush=True)
         for failure in report.failures:
             print("   ", failure.strip().replace("\n", "\n    "), flush=True)

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from dpex.auth import TOKEN_ENV
 from dpex.procutil import temp_dir
 from dpex.testing.cluster import descendants, test_cluster
 
@@ -150,18 +151,30 @@ def _rank(address: str, job: Job, rank: int, world: int, run_id: str, ckpt_dir: 
         raise
 
 
+def _rank_on(netns: str, token: str, *args: Any) -> None:
+    """A rank on the trainers' host: in its network namespace, with the cluster's token."""
+    import ctypes
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET, before any thread
+        raise OSError(ctypes.get_errno(), f"cannot enter network namespace {netns}")
+    os.close(fd)
+    os.environ[TOKEN_ENV] = token
+    _rank(*args)
+
+
 class _Generation:
     """The ranks of one start of the job (torchrun's restart), from ``states``."""
 
-    def __init__(self, ctx: Any, address: str, job: Job, world: int, states: list, saved_by: int, root: str,
+    def __init__(self, ctx: Any, cluster: Any, job: Job, world: int, states: list, saved_by: int, root: str,
                  steps: Any, step_s: float) -> None:
         self.world, self.states, self.saved_by = world, states, saved_by
         self.dir = tempfile.mkdtemp(prefix="gen-", dir=root)
         self.barrier = barrier = ctx.Barrier(world)  # held: the ranks rebuild it from its name
         run_id = uuid.uuid4().hex
-        self.procs = [ctx.Process(target=_rank, daemon=True,
-                                  args=(address, job, r, world, run_id, self.dir, states, barrier, steps,
-                                        step_s, os.path.join(self.dir, f"error{r}")))
+        host = getattr(cluster, "trainer_host", None)  # (network namespace, token): a host of its own
+        self.procs = [ctx.Process(target=_rank if host is None else _rank_on, daemon=True,
+                                  args=(*(host or ()), cluster.address, job, r, world, run_id, self.dir, states,
+                                        barrier, steps, step_s, os.path.join(self.dir, f"error{r}")))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -227,7 +240,7 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
     kinds = random.Random(rng.getrandbits(64)) if rng else None  # the faults' kinds: from the seed alone
     last_at = max(2, total - 6)  # faults land while the job trains: the driver waits for some (a worker started)
     at = sorted(rng.sample(range(1, last_at), min(events, last_at - 1))) if rng else []
-    gen = _Generation(ctx, cluster.address, job, ranks, [], ranks, root, steps, step_s)
+    gen = _Generation(ctx, cluster, job, ranks, [], ranks, root, steps, step_s)
     trained: list = []
     undo: list[_Undo] = []  # faults that end later: a frozen worker thawed, a full disk given room
     pending: list[tuple[str, float]] = []  # faults waiting for the next step done: (kind, when)
@@ -244,7 +257,7 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
         world = rng.choice((2, 3)) if rng else gen.world
         if states and world != saved_by:  # an elastic reshard of the epoch's rest
             report.padding += _padding(trained, job, world)
-        return _Generation(ctx, cluster.address, job, world, states, saved_by, root, steps, step_s)
+        return _Generation(ctx, cluster, job, world, states, saved_by, root, steps, step_s)
     try:
         while gen.running() or undo:
             now = time.monotonic()
@@ -303,12 +316,14 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
            journal_dir: str | None) -> str:
     """Injects a fault of a kind drawn from EVENTS (and ``full_disk`` where the
     journal lies on a small file system of its own) with ``kinds``; returns its
-    kind (a worker joins instead of the last serving one stopping)."""
-    frozen = {id(u.daemon) for u in undo if u.daemon is not None}
-    serving = [k for k, w in enumerate(cluster.workers) if w.process.poll() is None and id(w) not in frozen]
-    kind = kinds.choice(EVENTS + (("full_disk",) if journal_dir else ()))
-    if kind in ("kill_worker", "freeze_worker", "stop_worker") and len(serving) < 2:
-        kind = "add_worker"  # one worker keeps serving
+    kind (a worker joins first where it would stop the last serving one)."""
+    held = {u.daemon.process.pid for u in undo if u.daemon is not None}  # stopped or cut off
+    serving = [k for k, w in enumerate(cluster.workers) if w.process.poll() is None and w.process.pid not in held]
+    kind = kinds.choice(EVENTS + (("full_disk",) if journal_dir else ()) + (("cut_worker",) if _on_hosts(cluster)
+                                                                             else ()))
+    if kind in ("kill_worker", "freeze_worker", "stop_worker", "cut_worker") and len(serving) < 2:
+        cluster.add_workers(1)  # one worker keeps serving
+        serving.append(len(cluster.workers) - 1)
     if kind == "kill_worker":
         cluster.kill_worker(rng.choice(serving))
     elif kind == "restart_worker":
@@ -318,6 +333,11 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
         daemon.process.send_signal(signal.SIGSTOP)
         hold = rng.uniform(0.2, 1.0) if kind == "freeze_worker" else rng.uniform(1.5, 3.0) * HEARTBEAT_TIMEOUT_S
         undo.append(_Undo(time.monotonic() + hold, lambda: daemon.process.send_signal(signal.SIGCONT), daemon))
+    elif kind == "cut_worker":  # its host's link down at the hub, up again after up to 2.5 heartbeat timeouts
+        daemon = cluster.workers[rng.choice(serving)]
+        cluster.hosts.cut(daemon.node)
+        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 2.5) * HEARTBEAT_TIMEOUT_S,
+                          lambda: cluster.hosts.heal(daemon.node), daemon))
     elif kind == "full_disk":  # the journal's writes fail until the filler goes
         undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), _fill(journal_dir)))
     elif kind == "kill_batch_process":
@@ -334,6 +354,49 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
     elif kind == "add_worker":
         cluster.add_workers(1)
     return kind
+
+
+def _on_hosts(cluster: Any) -> bool:
+    return isinstance(cluster, _Hosts)
+
+
+class _HostDaemon:
+    """A daemon of a NetnsCluster node, as a LocalCluster's Daemon is seen here."""
+
+    def __init__(self, hosts: Any, node: str) -> None:
+        self.hosts, self.node = hosts, node
+
+    @property
+    def process(self) -> Any:
+        return self.hosts.procs[self.node]
+
+
+class _Hosts:
+    """A NetnsCluster as the run's cluster: the dispatcher, each worker and the
+    trainers on hosts of their own (network namespaces), whose links are cut."""
+
+    def __init__(self, hosts: Any) -> None:
+        self.hosts, self.address = hosts, hosts.address
+        self.trainer_host = (hosts.ns("trainer"), hosts.token)
+
+    @property
+    def workers(self) -> list[_HostDaemon]:
+        return [_HostDaemon(self.hosts, n) for n in self.hosts.nodes if n.startswith("worker")]
+
+    def kill_worker(self, k: int) -> None:
+        self.hosts.kill(self.workers[k].node)
+
+    def restart_worker(self, k: int) -> None:
+        node = self.workers[k].node
+        self.hosts.kill(node)
+        self.hosts.start_worker(node)
+
+    def restart_dispatcher(self, sig: int) -> None:
+        self.hosts.restart_dispatcher(sig)
+
+    def add_workers(self, n: int) -> None:
+        for _ in range(n):
+            self.hosts.add_worker()
 
 
 def _fill(directory: str) -> Callable[[], None]:
@@ -371,19 +434,21 @@ def _padding(trained: list, job: Job, world: int) -> int:
 
 
 def run_chaos(seed: int = 0, events: int = 6, ranks: int = 3, workers: int = 3, job: Job | None = None,
-              step_s: float = 0.4, journal_dir: str | None = None) -> ChaosReport:
+              step_s: float = 0.4, journal_dir: str | None = None, hosts: bool = False) -> ChaosReport:
     """One run: the uninterrupted job, then the same job (a new run of it,
     its steps taking ``step_s``, long enough for the faults to land while it
     trains) with ``events`` faults; the second checked against the first.
     ``journal_dir``: a small file system of its own (a tmpfs, see
     dpex.testing.mounts) for the dispatcher's journal, which ``full_disk``
-    faults fill."""
+    faults fill. ``hosts``: every daemon and the trainers on hosts of their own
+    (network namespaces, dpex.testing.netns; root only), and ``cut_worker``
+    faults cutting a worker's host off the network and healing it."""
     job = job or Job(seed)
     report = ChaosReport(runs=1)
     start = time.monotonic()
     root = temp_dir("chaos")  # named by this pid: not another run's leftover, removed by a later one if killed
     work_dir = tempfile.mkdtemp(prefix="journal-", dir=journal_dir or root)
-    with _removed(root), _removed(work_dir), test_cluster(num_workers=workers, work_dir=work_dir) as cluster:
+    with _removed(root), _removed(work_dir), _cluster(workers, work_dir, job, hosts) as cluster:
         uninterrupted = ChaosReport()
         reference = _train(cluster, job, ranks, root, None, 0, uninterrupted)
         report.failures += [f"the uninterrupted run: {f}" for f in uninterrupted.failures]
@@ -394,6 +459,17 @@ def run_chaos(seed: int = 0, events: int = 6, ranks: int = 3, workers: int = 3, 
     report.seconds = time.monotonic() - start
     return report
 
+
+
+@contextmanager
+def _cluster(workers: int, work_dir: str, job: Job, hosts: bool) -> Iterator[Any]:
+    if not hosts:
+        with test_cluster(num_workers=workers, work_dir=work_dir) as cluster:
+            yield cluster
+        return
+    from dpex.testing.netns import NetnsCluster
+    with NetnsCluster(workers=workers, samples=job.samples) as netns_cluster:  # its journal in its own dir
+        yield _Hosts(netns_cluster)
 
 
 @contextmanager

@@ -92,6 +92,10 @@ class NetnsCluster:
         """Cuts the node's link at the hub: its packets go nowhere."""
         _ip("link", "set", self._link(node), "down", ns=f"{self.tag}-hub")
 
+    def heal(self, node: str) -> None:
+        """Puts a cut link back up."""
+        _ip("link", "set", self._link(node), "up", ns=f"{self.tag}-hub")
+
     def shape(self, node: str, mbit: float) -> None:
         """Holds what the node sends to ``mbit`` Mbit/s (tc's token bucket on its end of the link)."""
         veth = f"{self._link(node)[:-1]}n"
@@ -130,23 +134,27 @@ class NetnsCluster:
             "--heartbeat-timeout", str(self.hb_timeout), "--split-size", "2", "--ready-file", ready])
         self._await_ready("dispatcher", ready)
 
-    def restart_dispatcher(self) -> None:
-        self.procs["dispatcher"].send_signal(signal.SIGKILL)
+    def restart_dispatcher(self, sig: int = signal.SIGKILL) -> None:
+        self.procs["dispatcher"].send_signal(sig)
         self.procs["dispatcher"].wait()
         self.start_dispatcher()
 
     def add_worker(self) -> str:
         node = f"worker{sum(n.startswith('worker') for n in self.nodes) + 1}"
-        ip = self.add_node(node)
-        data = os.path.join(self.dir, "data", node)  # this node's own copy of the dataset
-        write_node_data(data, node, self.samples)
-        ready = os.path.join(self.dir, f"{node}.ready")
+        self.add_node(node)
+        write_node_data(os.path.join(self.dir, "data", node), node, self.samples)  # the node's own copy
+        self.start_worker(node)
+        return node
+
+    def start_worker(self, node: str) -> None:
+        """Starts the worker of ``node`` (again, after :meth:`kill`: on its address)."""
+        ip, data = self.nodes[node], os.path.join(self.dir, "data", node)
+        ready = os.path.join(self.dir, f"{node}-{time.monotonic_ns()}.ready")
         self.procs[node] = self._spawn(node, [
             "-m", "dpex.cmd.worker", "--dispatcher", self.address, "--host", ip, "--port", "7071",
             "--processes", "1", "--heartbeat-interval", "0.2", "--no-shm", "--ready-file", ready],
             env={"DPEX_NODE_DATA": data})
         self._await_ready(node, ready)
-        return node
 
     def kill(self, node: str) -> None:
         self.procs[node].send_signal(signal.SIGKILL)
