@@ -4,7 +4,9 @@ validation loader opened and closed every so often, while the resources of
 every process and of the machine that Dpex uses are sampled: the resident
 memory, open file descriptors and threads of the dispatcher, of each worker
 (with its batch processes) and of the trainer, Dpex's files in /dev/shm and
-its directories in the temp directory, and the journal's size.
+its directories in the temp directory, and the journal's size (counted are
+the entries whose name holds the pid of one of the soak's processes, live or
+killed: another run beside it is not counted).
 
     .venv/bin/python benchmarks/soak.py [--epochs 1000] [--minutes 0] [--churn 20] [--svg benchmarks/soak.svg]
 
@@ -25,12 +27,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dpex  # noqa: E402
+from dpex import procutil  # noqa: E402
 from dpex.testing import descendants, test_cluster  # noqa: E402
 
 N, B = 64, 8
 # Absolute noise below which growth is not growth: a few MB of allocator slack, a descriptor or thread that
 # comes and goes with a connection, a file being handed over.
-NOISE = {"MB": 8.0, "fds": 4, "threads": 4, "files": 4, "KB": 64.0}
+NOISE = {"MB": 8.0, "fds": 4, "threads": 4, "files": 4, "dirs": 2, "KB": 64.0}
 
 
 def proc_figures(pid: int) -> tuple[float, int, int]:
@@ -53,16 +56,30 @@ def dir_size_kb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files) / 1024
 
 
-def sample(cluster, work_dir: str) -> dict[str, float]:
+def owned(root: str, pids: set[int], files: bool) -> int:
+    """Dpex's entries in ``root`` that one of ``pids`` owns (its pid in the name),
+    with the files in them if ``files``: what the soak's processes, live or killed, left."""
+    count = 0
+    for entry in os.listdir(root):
+        if procutil.owner_pid(entry) in pids:
+            path = os.path.join(root, entry)
+            count += 1 + (sum(len(f) for _, _, f in os.walk(path)) if files and os.path.isdir(path) else 0)
+    return count
+
+
+def sample(cluster, work_dir: str, pids: set[int]) -> dict[str, float]:
+    """Every figure now; ``pids``: every process of the soak's so far (grown here)."""
+    pids |= {os.getpid(), cluster.dispatcher.process.pid}
+    for w in cluster.workers:
+        pids |= {w.process.pid, *descendants(w.process.pid)}
     out: dict[str, float] = {}
     for name, pid, figures in [("dispatcher", cluster.dispatcher.process.pid, proc_figures),
                                ("trainer", os.getpid(), proc_figures),
                                *[(f"worker {k}", w.process.pid, tree_figures) for k, w in enumerate(cluster.workers)]]:
         mb, fds, threads = figures(pid)
         out[f"{name} MB"], out[f"{name} fds"], out[f"{name} threads"] = mb, fds, threads
-    out["/dev/shm dpex files"] = sum(1 for e in os.listdir("/dev/shm") if e.startswith("dpex-")) + sum(
-        len(files) for root, _, files in os.walk("/dev/shm") if "dpex-" in root)
-    out["temp dpex dirs files"] = sum(1 for e in os.listdir(tempfile.gettempdir()) if e.startswith("dpex-"))
+    out["/dev/shm dpex files"] = owned("/dev/shm", pids, files=True)  # hand-off directories and their files
+    out["temp dpex dirs"] = owned(tempfile.gettempdir(), pids, files=False)  # (the cluster's keeps every log)
     out["journal KB"] = dir_size_kb(work_dir)
     return out
 
@@ -127,7 +144,7 @@ def main() -> int:
     spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=N)
     epochs: list[int] = []
     series: dict[str, list[float]] = {}
-    inexact, restarts = 0, 0
+    inexact, restarts, pids = 0, 0, set()
     start = time.monotonic()
     try:
         with test_cluster(num_workers=2, work_dir=work_dir, consumer_timeout_s=30.0) as cluster, \
@@ -138,6 +155,7 @@ def main() -> int:
                 inexact += got != list(range(N))
                 epoch += 1
                 if epoch % args.churn == 0:  # SIGKILL and SIGTERM in turn, the worker back on its address
+                    sample(cluster, work_dir, pids)  # the pids of the one about to go, to count what it leaves
                     k = restarts % len(cluster.workers)
                     cluster.restart_worker(k, signal.SIGKILL if restarts % 2 == 0 else signal.SIGTERM)
                     restarts += 1
@@ -146,7 +164,7 @@ def main() -> int:
                         inexact += sorted(y for b in val for y in b["y"].tolist()) != list(range(N))
                 if epoch % args.every == 0:
                     epochs.append(epoch)
-                    for name, value in sample(cluster, work_dir).items():
+                    for name, value in sample(cluster, work_dir, pids).items():
                         series.setdefault(name, []).append(value)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
