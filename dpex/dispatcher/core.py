@@ -150,12 +150,15 @@ class DispatcherCore(Journaled):
             with self.lock:
                 self.job_of(request, peer, "SubmitPlan")
             upload_id = request.upload_id or secrets.randbits(63) + 1
-            upload = self.plan_files.add(upload_id, request.chunk, request.batches,
-                                          self.config.split_size_batches, meta)
-            self._check_plan_size(upload.num_batches, partial=True)  # not the whole upload first
-            if request.more:
-                return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
-            plan_file, num_batches, digest = self.plan_files.finish(upload_id)
+            try:
+                upload = self.plan_files.add(upload_id, request.chunk, request.batches,
+                                              self.config.split_size_batches, meta)
+                self._check_plan_size(upload.num_batches, partial=True)  # not the whole upload first
+                if request.more:
+                    return dpb.SubmitPlanResponse(num_batches=upload.num_batches)
+                plan_file, num_batches, digest = self.plan_files.finish(upload_id)
+            except OSError as e:  # a full disk: an outage, as the journal's (the upload is sent again)
+                self.store.refuse(e, "its plan files")
         content, digest = digest, of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
         self._check_plan_size(num_batches)
         with self.lock:

@@ -75,39 +75,52 @@ class PlanFiles:
                                         "restarted?); send the plan again from its first chunk")
             if chunk < upload.next_chunk:
                 return upload  # a retry of a chunk whose answer was lost
-            for batch in batches:
-                if upload.num_batches % split_size == 0:
-                    upload.index.write(_OFFSET.pack(upload.offset))
-                indices = array("q", batch.indices)
-                if len(indices) >= _PLACES:
-                    raise DpexConfigError(f"a planned batch of {len(indices)} indices is too large")
-                places = array("q", batch.places)
-                if places and len(places) != (1 if batch.whole else len(indices)):
-                    raise DpexConfigError(f"a planned batch has {len(places)} places for {len(indices)} indices")
-                if sys.byteorder != "little":
-                    indices.byteswap()
-                    places.byteswap()
-                flags = (_WHOLE if batch.whole else 0) | (_PLACES if places else 0)
-                record = _COUNT.pack(len(indices) | flags) + indices.tobytes() + places.tobytes()
-                upload.data.write(record)
-                upload.offset += len(record)
-                upload.num_batches += 1
+            try:
+                self._write(upload, batches, split_size)
+            except OSError:  # a full disk: the upload is dropped, and sent again from its first chunk
+                self._abandon(upload_id)
+                raise
             upload.hash.update(batches)
             upload.next_chunk += 1
             return upload
+
+    @staticmethod
+    def _write(upload: _Upload, batches: list[dpb.IndexBatch], split_size: int) -> None:
+        """Writes ``batches`` to the upload's files (buffered: a full disk may show at finish)."""
+        for batch in batches:
+            if upload.num_batches % split_size == 0:
+                upload.index.write(_OFFSET.pack(upload.offset))
+            indices = array("q", batch.indices)
+            if len(indices) >= _PLACES:
+                raise DpexConfigError(f"a planned batch of {len(indices)} indices is too large")
+            places = array("q", batch.places)
+            if places and len(places) != (1 if batch.whole else len(indices)):
+                raise DpexConfigError(f"a planned batch has {len(places)} places for {len(indices)} indices")
+            if sys.byteorder != "little":
+                indices.byteswap()
+                places.byteswap()
+            flags = (_WHOLE if batch.whole else 0) | (_PLACES if places else 0)
+            record = _COUNT.pack(len(indices) | flags) + indices.tobytes() + places.tobytes()
+            upload.data.write(record)
+            upload.offset += len(record)
+            upload.num_batches += 1
 
     def finish(self, upload_id: int) -> tuple[str, int, bytes]:
         """Makes an upload's file durable: (file name, batches, plan hash)."""
         with self._lock:
             upload = self._uploads.pop(upload_id)
-        upload.index.write(_OFFSET.pack(upload.offset))
-        for f in (upload.data, upload.index):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        os.replace(self._path(upload.name + ".tmp"), self._path(upload.name))
-        os.replace(self._path(upload.name + ".splits.tmp"), self._path(upload.name + ".splits"))
-        fsync_dir(self.directory)
+        try:
+            upload.index.write(_OFFSET.pack(upload.offset))
+            for f in (upload.data, upload.index):
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            os.replace(self._path(upload.name + ".tmp"), self._path(upload.name))
+            os.replace(self._path(upload.name + ".splits.tmp"), self._path(upload.name + ".splits"))
+            fsync_dir(self.directory)
+        except OSError:  # a full disk: dropped, the plan sent again from its first chunk
+            _discard(upload, self.directory)
+            raise
         return upload.name, upload.num_batches, upload.hash.digest()
 
     def read(self, name: str, index: int, count: int) -> list[dpb.IndexBatch]:
@@ -149,14 +162,21 @@ class PlanFiles:
                 self._abandon(upload_id)
 
     def _abandon(self, upload_id: int) -> None:
-        upload = self._uploads.pop(upload_id)
-        for f, suffix in ((upload.data, ".tmp"), (upload.index, ".splits.tmp")):
-            f.close()
-            try:
-                os.unlink(self._path(upload.name + suffix))
-            except FileNotFoundError:
-                pass
+        _discard(self._uploads.pop(upload_id), self.directory)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
+
+
+def _discard(upload: _Upload, directory: str) -> None:
+    """Closes an upload's files and removes them (what a full disk left unwritten is dropped)."""
+    for f, suffix in ((upload.data, ".tmp"), (upload.index, ".splits.tmp")):
+        try:
+            f.close()
+        except OSError:  # its buffer could not be written (a full disk): dropped with the file
+            pass
+        try:
+            os.unlink(os.path.join(directory, upload.name + suffix))
+        except FileNotFoundError:
+            pass
 

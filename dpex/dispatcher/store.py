@@ -31,7 +31,7 @@ import re
 import struct
 import threading
 import zlib
-from typing import Callable
+from typing import Callable, NoReturn
 
 from dpex.dispatcher import snapshot
 from dpex.dispatcher.journal import Journal, fsync_dir
@@ -114,6 +114,20 @@ class Store:
     def path(self) -> str:
         return self.journal.path
 
+    def refuse(self, error: OSError, what: str) -> NoReturn:
+        """A write of the work dir's (``what``: its journal, its plan files) failed
+        (a full disk): an outage until the journal is written again, refused as
+        DpexConnectionError (UNAVAILABLE, which clients retry), nothing changed."""
+        self.write_errors += 1
+        if not self.failing:
+            self.failing = True
+            log.error("cannot write %s in %s (%s): changes are refused as an outage "
+                      "(UNAVAILABLE; trainers and workers retry) until it can; free space on its disk",
+                      what, self.work_dir, error.strerror or error)
+            self.on_failing(True)
+        raise DpexConnectionError(f"the dispatcher cannot write {what} ({error.strerror or error}); "
+                                  "nothing was changed: retry once its disk has room") from None
+
     def append(self, update: jpb.Update) -> int:
         """Writes ``update`` (the caller applies it next); its position, durable
         once :meth:`settle` returns for it. A write that fails (a full disk)
@@ -122,15 +136,7 @@ class Store:
         try:
             self.journal.append(update)
         except OSError as e:
-            self.write_errors += 1
-            if not self.failing:
-                self.failing = True
-                log.error("cannot write the journal in %s (%s): changes are refused as an outage "
-                          "(UNAVAILABLE; trainers and workers retry) until it can; free space on its disk",
-                          self.work_dir, e.strerror or e)
-                self.on_failing(True)
-            raise DpexConnectionError(f"the dispatcher cannot write its journal ({e.strerror or e}); "
-                                      "nothing was changed: retry once its disk has room") from None
+            self.refuse(e, "its journal")
         if self.failing:
             self.failing = False
             log.warning("the journal in %s is written again: the outage is over", self.work_dir)

@@ -77,3 +77,49 @@ def test_a_full_disk_under_the_journal_is_an_outage_ridden_out_exactly_once(tmp_
     done = mounts.run_with_tmpfs(SCRIPT, str(work_dir), "2m", str(work_dir))
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == "failing True errors True delivered 2000 of 2000", done.stdout
+
+
+PLAN_SCRIPT = textwrap.dedent("""
+    import os, sys, threading
+    import dpex
+    from dpex.testing import test_cluster, wait_until
+
+    work_dir = sys.argv[1]
+    with test_cluster(num_workers=1, work_dir=work_dir) as c:
+        filler = os.path.join(work_dir, "filler")
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"x" * 65536)
+            except OSError:
+                pass
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64)
+        order = list(range(63, -1, -1))  # a sampler Dpex cannot describe: its plan is uploaded as batches, to a file
+        got, errors = [], []
+
+        def train():
+            try:
+                with dpex.RemoteDataLoader(c.address, spec, batch_size=4, sampler=order, timeout=120) as dl:
+                    got.extend(y for b in dl for y in b["y"].tolist())
+            except BaseException as e:
+                errors.append(e)
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        log = open(os.path.join(c.log_dir, "dispatcher-1.log")).read
+        wait_until(lambda: "cannot write its plan files" in log() or not trainer.is_alive(), 60, "the refusal")
+        os.unlink(filler)
+        trainer.join(120)
+        print("errors", errors, "in order", got == order, flush=True)
+""")
+
+
+def test_a_plan_uploaded_to_a_full_disk_is_an_outage_ridden_out(tmp_path):
+    """The chaos campaign's find: a plan of explicit batches (an elastic reshard,
+    a sampler Dpex cannot describe) is written to files beside the journal; on a
+    full disk that write raised OSError to the trainer ("No space left on
+    device"), which died. It is now refused as the journal's writes are."""
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    done = mounts.run_with_tmpfs(PLAN_SCRIPT, str(work_dir), "2m", str(work_dir))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == "errors [] in order True", done.stdout + done.stderr[-3000:]
