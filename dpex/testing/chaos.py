@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 from dpex.auth import TOKEN_ENV
 from dpex.procutil import temp_dir
 from dpex.testing.cluster import descendants, test_cluster
+from dpex.testing.mounts import fill
 
 EVENTS = ("kill_worker", "restart_worker", "freeze_worker", "stop_worker", "kill_batch_process",
           "kill_dispatcher", "term_dispatcher", "add_worker", "kill_trainers")
@@ -339,7 +340,8 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
         undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 2.5) * HEARTBEAT_TIMEOUT_S,
                           lambda: cluster.hosts.heal(daemon.node), daemon))
     elif kind == "full_disk":  # the journal's writes fail until the filler goes
-        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), _fill(journal_dir)))
+        filler = fill(journal_dir)
+        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), lambda: os.unlink(filler)))
     elif kind == "kill_batch_process":
         children = descendants(cluster.workers[rng.choice(serving)].process.pid)
         if children:
@@ -397,18 +399,6 @@ class _Hosts:
     def add_workers(self, n: int) -> None:
         for _ in range(n):
             self.hosts.add_worker()
-
-
-def _fill(directory: str) -> Callable[[], None]:
-    """Fills the file system of ``directory``; returns what gives the room back."""
-    path = os.path.join(directory, f"filler-{uuid.uuid4().hex}")
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:  # ENOSPC: full
-            pass
-    return lambda: os.unlink(path)
 
 
 def _check(trained: list, reference: list, report: ChaosReport) -> None:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 
 def available() -> bool:
@@ -28,3 +29,15 @@ def exec_with_tmpfs(path: str, size: str, argv: list[str]) -> None:
     mount = (f"mount -t tmpfs -o size={size} tmpfs {path} && {{ \"$@\"; rc=$?; umount {path}; rmdir {path}; "
              "exit $rc; }")
     os.execvp("unshare", ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", *argv])
+
+
+def fill(directory: str) -> str:
+    """Fills the file system of ``directory`` with a file (returned: remove it to give the room back)."""
+    path = os.path.join(directory, f"filler-{os.getpid()}-{time.monotonic_ns()}")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:  # ENOSPC: full
+            pass
+    return path

@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent("""
     from dpex.proto import dispatcher_pb2 as dpb, dispatcher_pb2_grpc as dgrpc
     from dpex.rpc import call, channel
     from dpex.testing import test_cluster, wait_until
+    from dpex.testing.mounts import fill
 
     work_dir = sys.argv[1]
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -48,13 +49,7 @@ SCRIPT = textwrap.dedent("""
                         got.append(batch["y"].tolist())
                 except BaseException as e:
                     errors.append(e)
-            filler = os.path.join(work_dir, "filler")
-            with open(filler, "wb", buffering=0) as f:
-                try:
-                    while True:
-                        f.write(b"x" * 65536)
-                except OSError:
-                    pass
+            filler = fill(work_dir)
             reader = threading.Thread(target=read)  # its acks and the worker's new splits: writes that fail
             reader.start()
             wait_until(lambda: health(c.address) == NOT_SERVING, 60, "health NOT_SERVING")
@@ -83,16 +78,11 @@ PLAN_SCRIPT = textwrap.dedent("""
     import os, sys, threading
     import dpex
     from dpex.testing import test_cluster, wait_until
+    from dpex.testing.mounts import fill
 
     work_dir = sys.argv[1]
     with test_cluster(num_workers=1, work_dir=work_dir) as c:
-        filler = os.path.join(work_dir, "filler")
-        with open(filler, "wb", buffering=0) as f:
-            try:
-                while True:
-                    f.write(b"x" * 65536)
-            except OSError:
-                pass
+        filler = fill(work_dir)
         spec = dpex.DatasetSpec("dpex.testing.datasets:Squares", n=64)
         order = list(range(63, -1, -1))  # a sampler Dpex cannot describe: its plan is uploaded as batches, to a file
         got, errors = [], []
