@@ -8,7 +8,7 @@ its directories in the temp directory, and the journal's size (counted are
 the entries whose name holds the pid of one of the soak's processes, live or
 killed: another run beside it is not counted).
 
-    .venv/bin/python benchmarks/soak.py [--epochs 1000] [--minutes 0] [--churn 20] [--svg benchmarks/soak.svg]
+    .venv/bin/python benchmarks/soak.py [--epochs 1000] [--minutes 0] [--churn 20] [--compact-kb 4] [--gc-s 10] [--svg ...]
 
 Prints, per figure, its value after warm-up (the first tenth) and at the end,
 its least-squares slope per 100 epochs, and "flat" or "GROWS" (grown by more
@@ -138,6 +138,12 @@ def main() -> int:
     p.add_argument("--churn", type=int, default=20, help="restart a worker every this many epochs")
     p.add_argument("--validate", type=int, default=50, help="open and close a validation loader every ...")
     p.add_argument("--every", type=int, default=10, help="sample every this many epochs")
+    p.add_argument("--compact-kb", type=int, default=4,
+                   help="the dispatcher's --journal-compact-kb: small, so that the soak compacts the journal many "
+                        "times (at the default 256 KB a short soak only appends)")
+    p.add_argument("--gc-s", type=float, default=10.0,
+                   help="the dispatcher's --job-gc-timeout and --worker-gc-timeout: short, so that the validation "
+                        "loaders' jobs are collected within the soak (the default keeps a finished job 300 s)")
     p.add_argument("--svg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "soak.svg"))
     args = p.parse_args()
     work_dir = tempfile.mkdtemp(prefix="soak-journal-")
@@ -147,7 +153,9 @@ def main() -> int:
     inexact, restarts, pids = 0, 0, set()
     start = time.monotonic()
     try:
-        with test_cluster(num_workers=2, work_dir=work_dir, consumer_timeout_s=30.0) as cluster, \
+        with test_cluster(num_workers=2, work_dir=work_dir, consumer_timeout_s=30.0,
+                          dispatcher_flags=("--journal-compact-kb", str(args.compact_kb), "--job-gc-timeout",
+                                            str(args.gc_s), "--worker-gc-timeout", str(args.gc_s))) as cluster, \
                 dpex.RemoteDataLoader(cluster.address, spec, batch_size=B, shuffle=True, seed=0, timeout=120) as dl:
             epoch = 0
             while epoch < args.epochs or time.monotonic() - start < args.minutes * 60:
