@@ -8,7 +8,7 @@ its directories in the temp directory, and the journal's size (counted are
 the entries whose name holds the pid of one of the soak's processes, live or
 killed: another run beside it is not counted).
 
-    .venv/bin/python benchmarks/soak.py [--epochs 1000] [--minutes 0] [--churn 20] [--compact-kb 4] [--gc-s 10] [--svg ...]
+    .venv/bin/python benchmarks/soak.py [--epochs 1000] [--minutes 0] [--churn 20] [--compact-kb 4] [--gc-s 10]
 
 Prints, per figure, its value after warm-up (the first tenth) and at the end,
 its least-squares slope per 100 epochs, and "flat" or "GROWS" (grown by more

@@ -179,4 +179,3 @@ def _discard(upload: _Upload, directory: str) -> None:
             os.unlink(os.path.join(directory, upload.name + suffix))
         except FileNotFoundError:
             pass
-

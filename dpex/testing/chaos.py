@@ -41,12 +41,11 @@ from typing import Any, Callable, Iterator
 
 from dpex.auth import TOKEN_ENV
 from dpex.procutil import temp_dir
-from dpex.testing.cluster import descendants, test_cluster
+from dpex.testing.cluster import HEARTBEAT_TIMEOUT_S, descendants, test_cluster
 from dpex.testing.mounts import fill
 
 EVENTS = ("kill_worker", "restart_worker", "freeze_worker", "stop_worker", "kill_batch_process",
           "kill_dispatcher", "term_dispatcher", "add_worker", "kill_trainers")
-HEARTBEAT_TIMEOUT_S = 1.5    # test_cluster's: a worker stopped longer than this is taken for lost
 STALL_LIMIT_S = 120.0        # a run with no step done for this long is stopped and reported as hung
 STEP_BARRIER_S = 300.0       # a rank waits this long for its peers at a step (they may be stopped)
 _KILLED_WORDS = "is killed by signal: Killed"  # torch's, for a worker process killed mid-batch
@@ -85,7 +84,8 @@ class ChaosReport:
     def __str__(self) -> str:
         events = ", ".join(f"{k} {v}" for k, v in sorted(self.events.items()))
         return (f"runs {self.runs}, samples checked {self.samples}, lost {self.lost}, duplicated {self.duplicated}, "
-                f"unequal {self.unequal} (padding {self.padding}); restarts after a rank raised {self.raised}; longest stall {self.stall_s:.1f}s; "
+                f"unequal {self.unequal} (padding {self.padding}); restarts after a rank raised {self.raised}; "
+                f"longest stall {self.stall_s:.1f}s; "
                 f"events: {events}; failures {len(self.failures)}; {self.seconds:.1f}s")
 
 

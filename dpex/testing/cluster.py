@@ -18,10 +18,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HEARTBEAT_TIMEOUT_S = 1.5  # the test clusters': a worker silent this long is lost
+
+
 def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> LocalCluster:
     """A LocalCluster that notices a lost worker within about a second."""
     kwargs.setdefault("heartbeat_interval_s", 0.2)
-    kwargs.setdefault("heartbeat_timeout_s", 1.5)
+    kwargs.setdefault("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S)
     kwargs.setdefault("split_size_batches", 2)
     # Long enough that a live trainer on a loaded machine (the suite's two processes, the
     # differential tester's parallel runs) is never taken for gone; tests of a trainer's loss set 3 s.

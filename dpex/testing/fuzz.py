@@ -173,7 +173,6 @@ def fuzz_grpc(address: str, service: str, inputs: int, rng: random.Random, repor
 
     from dpex.rpc import CHANNEL_OPTIONS
     methods = _methods(service)
-    seeds = [rng.getrandbits(64) for _ in range(max(1, inputs // 50))]
 
     def one(seed: int) -> None:
         r = random.Random(seed)
@@ -188,12 +187,7 @@ def fuzz_grpc(address: str, service: str, inputs: int, rng: random.Random, repor
                 total += sent
                 report.record(outcome, sent, f"{name}: an exception escaped the servicer" if outcome == "UNKNOWN"
                               else None)
-    with ThreadPoolExecutor(THREADS) as pool:
-        for f in [pool.submit(one, s) for s in seeds]:
-            f.result()
-            if not alive():
-                report.crashes += 1
-                return
+    _pooled(one, max(1, inputs // 50), rng, report, alive, check_every=1)  # 50 inputs a task
 
 
 def _call(ch: Any, path: str, cls: type, streaming: bool, r: random.Random, grpc: Any) -> tuple[int, str]:
@@ -224,14 +218,14 @@ def _call(ch: Any, path: str, cls: type, streaming: bool, r: random.Random, grpc
         return sent[0], e.code().name  # DEADLINE_EXCEEDED: a stream that parsed, held open as a trainer's
 
 
-def _pooled(one: Callable[[int], None], inputs: int, rng: random.Random, report: FuzzReport,
-            alive: Callable[[], bool]) -> None:
-    """``one(seed)`` for ``inputs`` seeds on THREADS threads, the daemons checked every thousand."""
-    seeds = [rng.getrandbits(64) for _ in range(inputs)]
+def _pooled(one: Callable[[int], None], tasks: int, rng: random.Random, report: FuzzReport,
+            alive: Callable[[], bool], check_every: int = 1000) -> None:
+    """``one(seed)`` for ``tasks`` seeds on THREADS threads, the daemons checked every ``check_every``."""
+    seeds = [rng.getrandbits(64) for _ in range(tasks)]
     with ThreadPoolExecutor(THREADS) as pool:
         for i, f in enumerate([pool.submit(one, s) for s in seeds]):
             f.result()
-            if i % 1000 == 0 and not alive():
+            if i % check_every == 0 and not alive():
                 report.crashes += 1
                 return
 

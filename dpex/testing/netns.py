@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from dpex.auth import TOKEN_ENV
-from dpex.testing.cluster import wait_until
+from dpex.testing.cluster import HEARTBEAT_TIMEOUT_S, wait_until
 from dpex.testing.nodes import write_node_data
 
 SUBNET = "10.77.0"
@@ -36,7 +36,7 @@ def _ip(*args: str, ns: str | None = None) -> None:
 
 
 class NetnsCluster:
-    def __init__(self, workers: int = 3, samples: int = 200, heartbeat_timeout_s: float = 1.5,
+    def __init__(self, workers: int = 3, samples: int = 200, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  dispatcher: bool = True) -> None:
         """A hub and the hosts; with ``dispatcher`` (and ``workers``), the
         daemons on theirs; without, only the trainer's host."""
