@@ -75,13 +75,14 @@ class Epochs:
             self.replicas = self.next_replicas()
             progress = Progress(num_streams=streams, starts=self.replicas if streams else {})
         end_left(EpochKey(lane.job_id, session.consumer_index, epoch), session.client_id)  # this epoch, begun before
-        num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resumed=resume is not None)
+        attempt = secrets.randbits(63) + 1  # this iter()'s: a late release of an earlier one leaves it alone
+        num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resume is not None, attempt)
         fetcher = EpochFetcher(
             stub=session.stub, target=session.target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,
             consumer_index=session.consumer_index, epoch=epoch, num_batches=num_batches,
             client_id=session.client_id, window=self.window, ordered=self.opts.ordered, timeout_s=self.opts.timeout_s,
             retry_for_s=session.retry_for_s(), outage=session.outage, dataset=self.dataset, num_streams=streams,
-            meter=self.meter, leave=session.releaser(lane.job_id, lane.job_key, epoch), progress=progress,
+            meter=self.meter, leave=session.releaser(lane.job_id, lane.job_key, epoch, attempt), progress=progress,
             report=session.report, health=session.health if session.embedded else None,
             no_worker_s=session.first_contact_s if self.opts.timeout_s is None else None)
         self.current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
@@ -91,12 +92,13 @@ class Epochs:
         return iterator
 
     def _submit(self, lane: Lane, epoch: int, base_seed: int, sampler: Any, plan: list, streams: int,
-                progress: Progress, resumed: bool) -> int:
+                progress: Progress, resumed: bool, attempt: int) -> int:
         """Submits the epoch's plan on ``lane`` (its job made again if it was collected); its batches."""
         session = self.session
         submit = dpb.SubmitPlanRequest(job_id=lane.job_id, job_key=lane.job_key,
                                        consumer_index=session.consumer_index, epoch=epoch,
-                                       base_seed=base_seed, num_streams=streams, client_id=session.client_id)
+                                       base_seed=base_seed, num_streams=streams, client_id=session.client_id,
+                                       attempt=attempt)
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
         if resumed:

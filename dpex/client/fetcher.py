@@ -58,8 +58,10 @@ log = logging.getLogger("dpex.client")
 # same lane, close()): _Exit, once, whoever comes first (close() or the reaper thread for
 # an iterator collected): the control thread stops; streams.end_epoch drops the frames
 # queued for it and their hand-off files (never the next epoch's news); ReleaseConsumer
-# names the epoch (client/session.py releaser). The dispatcher (core.release_consumer)
-# journals the release unless a newer epoch is planned; its splits are released in the
+# names the epoch and the iter() that submitted it (its attempt: client/session.py
+# releaser). The dispatcher (core.release_consumer) journals the release unless a newer
+# epoch is planned or the same epoch was begun again (a release that timed out here may
+# land after the new plan: it leaves that plan alone); its splits are released in the
 # workers' next heartbeats (agent -> scheduler.release: runners closed, a stream's
 # process stopped). A trainer that vanishes instead: its Fetch streams close (the worker's
 # scheduler.cancel frees that consumer's ready batches at once) and the dispatcher's

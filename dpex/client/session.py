@@ -138,11 +138,12 @@ class Session:
         else:
             lane.job_id, lane.job_key = jobs.make(self.call, self.stub, self.job_request, named=False)
 
-    def releaser(self, job_id: int, job_key: bytes, epoch: int | None = None) -> Callable[..., None]:
-        """Releases this loader's consumer of ``job_id`` (``epoch``: only that
-        epoch, left early; else the consumer, at close or once a lane is no longer needed)."""
+    def releaser(self, job_id: int, job_key: bytes, epoch: int | None = None, attempt: int = 0) -> Callable[..., None]:
+        """Releases this loader's consumer of ``job_id`` (``epoch``: only that epoch as
+        submitted by one iter(), its ``attempt``, left early; else the consumer, at close
+        or once a lane is no longer needed)."""
         request = dpb.ReleaseConsumerRequest(job_id=job_id, job_key=job_key, consumer_index=self.consumer_index,
-                                             client_id=self.client_id)
+                                             client_id=self.client_id, attempt=attempt)
         if epoch is not None:
             request.epoch = epoch
         return jobs.releaser(self.stub, self.target, request)

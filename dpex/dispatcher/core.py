@@ -159,7 +159,8 @@ class DispatcherCore(Journaled):
                 plan_file, num_batches, digest = self.plan_files.finish(upload_id)
             except OSError as e:  # a full disk: an outage, as the journal's (the upload is sent again)
                 self.store.refuse(e, "its plan files")
-        content, digest = digest, of_loader(resumed(digest, request.done, request.resume_id), request.client_id)
+        content, digest = digest, of_loader(resumed(digest, request.done, request.resume_id), request.client_id,
+                                            request.attempt)
         self._check_plan_size(num_batches)
         with self.lock:
             job = self.job_of(request, peer, "SubmitPlan")
@@ -182,7 +183,7 @@ class DispatcherCore(Journaled):
                 job_id=request.job_id, consumer_index=request.consumer_index, epoch=request.epoch,
                 plan_hash=digest, split_size=self.config.split_size_batches, base_seed=request.base_seed,
                 num_streams=request.num_streams, sampler=sampler, plan_file=plan_file, num_batches=num_batches,
-                done=request.done, stream_starts=request.stream_starts,
+                attempt=request.attempt, done=request.done, stream_starts=request.stream_starts,
                 share_key=b"" if request.num_streams else plan_share_key(job.share_digest, content, request.epoch)))
             log.info("plan submitted", extra=fields(job_id=request.job_id, consumer=request.consumer_index,
                                                     epoch=request.epoch, batches=plan.num_batches,
@@ -221,6 +222,8 @@ class DispatcherCore(Journaled):
             job = self.state.jobs.get(request.job_id)
             if plan is None and not (closed and job is not None and request.consumer_index in job.epochs):
                 return dpb.ReleaseConsumerResponse()  # nothing, or a newer epoch: keep it
+            if not closed and request.attempt and plan.attempt and plan.attempt != request.attempt:
+                return dpb.ReleaseConsumerResponse()  # the epoch begun again since (a late release): keep it
             self.seen.forget_consumer(request.job_id, request.consumer_index)
             release = jpb.ReleaseConsumer(job_id=request.job_id, consumer_index=request.consumer_index,
                                           closed=closed)

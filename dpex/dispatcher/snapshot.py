@@ -33,6 +33,7 @@ def take(state: DispatcherState) -> jpb.Snapshot:
                 submitted=jpb.SubmitPlan(
                     job_id=plan.job_id, consumer_index=plan.consumer_index, epoch=plan.epoch,
                     plan_hash=plan.plan_hash, split_size=plan.split_size, base_seed=plan.base_seed,
+                    attempt=plan.attempt,
                     num_streams=plan.num_streams, sampler=plan.sampler, plan_file=plan.plan_file,
                     num_batches=plan.num_batches, batches=plan.inline,
                     done=[dpb.SeqRange(start=a, end=b) for a, b in plan.resumed],

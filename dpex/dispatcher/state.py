@@ -77,6 +77,7 @@ class Plan:
     resumed: list[tuple[int, int]] = field(default_factory=list)  # seq ranges delivered before a checkpoint
     stream_starts: dict[int, dpb.StreamStart] = field(default_factory=dict)  # stream -> where it goes on
     share_key: bytes = b""        # equal for plans whose splits hold equal batches (b"": none)
+    attempt: int = 0              # the iter() that submitted it (SubmitPlanRequest.attempt; 0: not told)
 
     @classmethod
     def from_record(cls, u: jpb.SubmitPlan, first_split_id: int, **progress: Any) -> "Plan":
@@ -87,7 +88,8 @@ class Plan:
                    u.num_streams or -(-num_batches // size), u.base_seed, u.num_streams,
                    sampler=u.sampler if u.HasField("sampler") else None, plan_file=u.plan_file,
                    inline=list(u.batches), resumed=[(r.start, r.end) for r in u.done],
-                   stream_starts={s.stream: s for s in u.stream_starts}, share_key=u.share_key, **progress)
+                   stream_starts={s.stream: s for s in u.stream_starts}, share_key=u.share_key,
+                   attempt=u.attempt, **progress)
         if not progress:
             plan._skip_resumed()
         return plan

@@ -37,11 +37,14 @@ def resumed(digest: bytes, done: Iterable[dpb.SeqRange], resume_id: int) -> byte
     return h.digest()
 
 
-def of_loader(digest: bytes, client_id: int) -> bytes:
-    """A plan's hash as the plan of one loader (its client id): that loader's
-    plan submitted again is a reconnect, another loader's equal plan (the same
-    script rerun after a crash) is a plan of its own, which replaces it."""
-    return digest if not client_id else hashlib.sha256(digest + b"client%d" % client_id).digest()
+def of_loader(digest: bytes, client_id: int, attempt: int = 0) -> bytes:
+    """A plan's hash as the plan of one loader (its client id) in one iter()
+    (its attempt): that iter()'s plan submitted again is a reconnect; the same
+    loader's epoch begun again, or another loader's equal plan (the same script
+    rerun after a crash), is a plan of its own, which replaces it."""
+    if client_id:
+        digest = hashlib.sha256(digest + b"client%d" % client_id).digest()
+    return digest if not attempt else hashlib.sha256(digest + b"attempt%d" % attempt).digest()
 
 
 def chunks(batches: list[dpb.IndexBatch], max_indices: int = CHUNK_INDICES) -> Iterator[list[dpb.IndexBatch]]:

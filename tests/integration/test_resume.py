@@ -202,6 +202,42 @@ def test_the_same_loader_resumes_after_its_iterator_was_dropped(c, dataset, wher
                 assert [first] + got == want[0]
 
 
+@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
+def test_a_left_iterators_late_release_does_not_end_the_epoch_begun_again(c, monkeypatch, where):
+    """The resume race (issue 58): the left iterator's ReleaseConsumer timed out on the trainer (5 s) yet
+    reached a busy dispatcher after the same epoch's new plan, and released it ("stall after 8 batches").
+    Here the release is held back and sent once the resumed epoch runs: each iter() submits its own
+    attempt, and a release names the attempt it leaves."""
+    from dpex.client import job as jobs
+    held, send = [], jobs.releaser
+
+    def late(stub, target, request):
+        release = send(stub, target, request)
+        return (lambda wait=True: held.append(release)) if request.HasField("epoch") else release
+    monkeypatch.setattr(jobs, "releaser", late)
+    kw = dict(batch_size=B, timeout=30, generator=torch.Generator().manual_seed(3))
+    with dpex.RemoteDataLoader(c.address, SPEC, **kw) as whole:
+        want = [[plain(b) for b in whole] for _ in range(2)]
+    with dpex.RemoteDataLoader(c.address, SPEC, **dict(kw, generator=torch.Generator().manual_seed(3))) as dl:
+        it = iter(dl)
+        first = [plain(next(it))]
+        if where == "at an epoch's end":
+            first += [plain(b) for b in it]
+            sd = dl.state_dict()
+            it = iter(dl)  # the next epoch, begun
+        else:
+            sd = dl.state_dict()
+        next(it)  # a batch past the checkpoint
+        del it  # dropped: ended by the reaper thread, or by the next iter() if that comes first
+        dl.load_state_dict(torch_roundtrip(sd))
+        resumed = iter(dl)  # the old epoch is ended now, at the latest; its release is held back
+        got = [plain(next(resumed))]
+        assert len(held) == 1
+        held.pop()()  # ... and reaches the dispatcher now, after the new plan
+        got += [plain(b) for b in resumed]
+        assert (first, got) == (want[0], want[1]) if where == "at an epoch's end" else first + got == want[0]
+
+
 def test_a_state_dict_is_small_and_refused_when_it_does_not_fit(c):
     with dpex.RemoteDataLoader(c.address, SPEC, batch_size=B, shuffle=True, timeout=60,
                                job_name="saved") as dl:

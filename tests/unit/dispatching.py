@@ -48,9 +48,9 @@ def job(core, name="", consumers=1):
         name=name, dataset=b"spec", num_consumers=consumers, batch_size=4)), LOCAL).job_id
 
 
-def plan(core, job_id, num_batches, consumer=0, epoch=0, client=1):
+def plan(core, job_id, num_batches, consumer=0, epoch=0, client=1, attempt=0):
     request = dpb.SubmitPlanRequest(job_id=job_id, job_key=job_key(core, job_id), consumer_index=consumer, epoch=epoch, base_seed=3,
-                                    client_id=client, batches=[dpb.IndexBatch(indices=[i]) for i in range(num_batches)])
+                                    client_id=client, attempt=attempt, batches=[dpb.IndexBatch(indices=[i]) for i in range(num_batches)])
     return core.submit_plan(request, LOCAL)
 
 

@@ -103,6 +103,38 @@ def test_unequal_plans_of_an_epoch_are_refused_whatever_the_timing(make_core, tm
     assert restored.jobs[named].epoch_batches == again.state.jobs[named].epoch_batches == {0: (5, 0)}
 
 
+def test_an_epoch_begun_again_is_a_plan_of_its_own_which_the_earlier_attempts_release_leaves(make_core, tmp_path):
+    """The resume race (issue 58): the same loader's same epoch, begun again by a new iter(), is a new
+    plan (not a reconnect that would carry the left iterator's deliveries), and the left iterator's
+    release, arriving late, names its own attempt: it ends nothing, through a restart and a snapshot."""
+    from dpex.dispatcher import snapshot
+    core = make_core(work_dir=str(tmp_path))
+    job_id = job(core, "again")
+    key = job_key(core, job_id)
+    plan(core, job_id, 6, attempt=1)
+    first = core.state.jobs[job_id].plans[0]
+    assert plan(core, job_id, 6, attempt=1).num_batches == 6  # the same iter()'s retry: a reconnect
+    assert core.state.jobs[job_id].plans[0] is first
+    plan(core, job_id, 6, attempt=2)
+    second = core.state.jobs[job_id].plans[0]
+    assert second is not first and second.attempt == 2
+
+    def release(core, attempt):
+        core.release_consumer(dpb.ReleaseConsumerRequest(job_id=job_id, job_key=key, consumer_index=0, client_id=1,
+                                                         epoch=0, attempt=attempt), LOCAL)
+    release(core, 1)
+    assert core.state.jobs[job_id].plans[0] is second
+    core.store.settle(core.store.appended)
+    core.close()
+    again = make_core(work_dir=str(tmp_path))
+    assert again.state.jobs[job_id].plans[0].attempt == 2
+    assert snapshot.restore(snapshot.take(again.state)).jobs[job_id].plans[0].attempt == 2
+    release(again, 1)
+    assert 0 in again.state.jobs[job_id].plans
+    release(again, 2)
+    assert 0 not in again.state.jobs[job_id].plans
+
+
 def test_a_worker_of_another_protocol_is_refused_naming_both_versions(make_core):
     core = make_core()
     other = dpb.Versions(dpex="0.0.9", protocol=0, torch="2.13.0", python="3.11.7")
