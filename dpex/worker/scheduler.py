@@ -69,7 +69,9 @@ class Scheduler:
         self._cond = threading.Condition()  # guards every field below, and the runners' and budget's state
         self._held = Held()                             # guarded by _cond
         self._queues = Queues()                         # guarded by _cond
-        self._running: set[Key] = set()                 # guarded by _cond: being made by the pool
+        # guarded by _cond: being made by the pool, for which split's runner (a split released and
+        # replaced, its epoch begun again, may have a successor of the same keys: made again for it)
+        self._running: dict[Key, SplitRunner] = {}
         self._ahead: set[Key] = set()                   # guarded by _cond: running keys started before any request
         self._following: set[Key] = set()               # guarded by _cond: running keys another job's making makes
         self._saturated: set[Consumer] = set()          # guarded by _cond: as free_capacity() last said
@@ -200,7 +202,7 @@ class Scheduler:
             if not runner.request(key, sink):  # it was ready
                 self.meter.queued(time.monotonic() - made_at if made_at is not None else 0.0)
                 self._read_ahead_freed(key.consumer)
-            elif key in self._running:
+            elif self._running.get(key) is runner:
                 if key in self._ahead:  # asked for now: the trainer's window holds it, not the read-ahead
                     self._ahead.discard(key)
                     self._budget.stopped(key.consumer)
@@ -253,7 +255,7 @@ class Scheduler:
                     made = self._start(runner, key)
                 except RuntimeError:  # closing
                     return
-                self._running.add(key)
+                self._running[key] = runner
                 self.meter.running(len(self._running))
                 made.add_done_callback(lambda f, key=key, runner=runner: self._done(runner, key, f.result()))
 
@@ -279,7 +281,8 @@ class Scheduler:
     def _done(self, runner: MapRunner, key: Key, frame: Frame) -> None:
         self.meter.produced(shm.size_of(frame))
         with self._cond:
-            self._running.discard(key)
+            if self._running.get(key) is runner:
+                del self._running[key]
             self._following.discard(key)
             self.meter.running(len(self._running))
             if key in self._ahead:
@@ -288,6 +291,10 @@ class Scheduler:
             self._cond.notify_all()
             if not self._held.holds(runner):
                 shm.discard(frame)
+                successor = self._held.find(key)
+                if (successor is not None and successor.pooled and key not in self._running
+                        and key in successor.left):
+                    self._enqueue(successor, [key])  # its queue dropped the key while this one was made
                 self._forget_if_unused(key.consumer)
                 return  # released meanwhile
             queue = self._queues.get(key.consumer)

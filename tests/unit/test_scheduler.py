@@ -254,3 +254,23 @@ def test_a_failed_batch_is_its_error_frame_and_the_split_goes_on(scheduler, pool
     assert meta.seq == 0 and "bad sample" in meta.error.message
     drive(pool, lambda: scheduler.depth()[0] == BUFFER, "the rest made ahead")
     assert pool.started == [0, 1, 2, 3]
+
+
+def test_a_split_replaced_while_its_batches_are_made_has_them_made_again_for_its_successor(pool, tmp_path):
+    """An epoch begun again (its plan replaced: new splits of the same batch keys) while the old split's
+    batches were in the pool: those keys were taken for being made, dropped from the new split's queue,
+    and asked for in vain once the old ones finished, released (issue 58's "stall after 8 batches")."""
+    scheduler = make(pool, tmp_path, max_inflight=4)
+    try:
+        scheduler.add_split(split(split_id=1, n=4))
+        assert pool.wait_running(3) == [0, 1, 2]  # the buffer's worth
+        scheduler.release([1])
+        scheduler.add_split(split(split_id=2, n=4))  # the same keys, another split
+        got = []
+        for seq in (0, 1, 2):
+            scheduler.request(key(seq), got.append)
+        pool.finish(0, 1, 2)  # the old split's: dropped
+        drive(pool, lambda: len(got) == 3, "batches 0-2 of the new split")
+        assert sorted(seqs(got)) == [0, 1, 2] and not any(parse_frame(f)[0].not_assigned for f in got)
+    finally:
+        scheduler.close()
