@@ -22,8 +22,10 @@ SAMPLES, BATCH = 6000, 10
 
 
 def alive(endpoint) -> int:
+    # Retried: on a loaded machine (the suite's other files beside this one) a connection may take
+    # longer than a call's 10 s ("connection attempt timed out before receiving SETTINGS frame").
     status = call(dgrpc.DispatcherStub(channel(endpoint.address, endpoint.auth_token)).GetStatus,
-                  dpb.GetStatusRequest(), target="dispatcher", timeout_s=10)
+                  dpb.GetStatusRequest(), target="dispatcher", timeout_s=10, retry_for_s=60)
     return sum(w.state == "alive" for w in status.workers)
 
 
