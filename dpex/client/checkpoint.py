@@ -44,6 +44,7 @@ class Progress:
                  stream_states: dict[int, tuple[int, bytes]] | None = None,
                  starts: dict[int, bytes] | None = None) -> None:
         self.ended = False  # the loop saw the epoch's end (StopIteration)
+        self.repeats = 0    # batches given again (even_batches="longest": seq -1), past this consumer's own
         self.num_streams = num_streams
         self.ends: dict[int, int] = dict(ends or {})  # stream -> its number of batches, once known
         # A dataset with its own state_dict: stream -> (j, its state after batch j-1), j the
@@ -63,6 +64,9 @@ class Progress:
 
     def add(self, seq: int) -> None:
         with self._lock:
+            if seq < 0:  # a repeat (dpex.client.gate)
+                self.repeats += 1
+                return
             self._given.mark(seq)
             state = self._offered.pop(seq, None)
             if state is not None:
@@ -147,10 +151,17 @@ class EpochState:
                 "ends": sorted([k, n] for k, n in self.progress.ends.items()),
                 "done": [list(r) for r in self.progress.ranges()],
                 "stream_states": [[k, j, blob(state)] for k, (j, state) in sorted(self.progress.stream_states.items())],
-                "starts": [[k, blob(r)] for k, r in sorted(self.progress.starts.items())]}
+                "starts": [[k, blob(r)] for k, r in sorted(self.progress.starts.items())],
+                "repeats": self.progress.repeats}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EpochState":
+        state = cls._from_dict(d)
+        state.progress.repeats = d.get("repeats", 0)
+        return state
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "EpochState":
         batches = [dpb.IndexBatch(indices=b) for b in d["batches"]] if d["batches"] is not None else None
         for i in d.get("whole", []):  # an unbatched job's list elements
             batches[i].whole = True

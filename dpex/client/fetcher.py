@@ -19,12 +19,15 @@ import grpc
 
 from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConnectionError, DpexError, DpexTimeoutError,
                          DpexWireError, rebuild)
+from dpex.plan import even
+from dpex.plan.even import Count
 from dpex.plan.seq import stream_of
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.rpc import Outage, call, to_dpex_error
 from dpex.client import decode
 from dpex.client.checkpoint import Progress
+from dpex.client.gate import EvenGate
 from dpex.client.seen import DatasetSeen
 from dpex.client.ledger import Ledger
 from dpex.client.router import Router
@@ -68,6 +71,7 @@ log = logging.getLogger("dpex.client")
 # --consumer-timeout releases it.
 
 _WAIT_LOG_S = 30.0
+_EVEN_CHECK_S = 0.25     # at an epoch's end, how long the other consumers' counts are waited for
 _MAX_CORRUPT = 3         # corrupt frames from one worker in an epoch before the epoch fails
 
 
@@ -87,6 +91,11 @@ class _Owners(NamedTuple):
 class _Failed(NamedTuple):
     key: EpochKey
     error: DpexError
+
+
+class _Counts(NamedTuple):  # what the job's consumers told of the epoch's batches (dpex.plan.even)
+    key: EpochKey
+    counts: list
 
 
 # A worker's answers to a stream that no retry changes: its loader limit, a wrong key or token.
@@ -109,6 +118,11 @@ class Control:
         self._lock = threading.Lock()
         self._acks: list[int] = []
         self.next_seq = 0  # the lowest batch not received yet, set by the fetcher
+        self.count = Count(0)  # the epoch's batches as far as the fetcher knows, set by it
+        self._told = Count(0)  # the count the dispatcher last heard
+        self.digest = b""   # the owners last heard
+        self.report_past: int | None = None  # another consumer waits for this one to have more
+        self._counts_heard: list | None = None
         self._future: grpc.Future | None = None
         self._stop = threading.Event()
         # daemon=True only so that interpreter exit is not blocked before the
@@ -126,13 +140,16 @@ class Control:
             if self._stop.is_set():
                 future.cancel()
 
-    def _sync(self, digest: bytes, wait_s: float, cancellable: bool = True) -> dpb.SyncConsumerResponse:
+    def _sync(self, digest: bytes, wait_s: float, cancellable: bool = True, gate: int | None = None,
+              rule: str = "") -> dpb.SyncConsumerResponse:
         with self._lock:
             acks, self._acks = self._acks, []
+        count = self.count
         try:
-            return call(self._stub.SyncConsumer,
+            response = call(self._stub.SyncConsumer,
                         dpb.SyncConsumerRequest(**self._names, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s,
+                                                ready=count.ready, total=count.total, gate=gate, even_batches=rule,
                                                 workers_needed=self._need(), verdict=self._meter.recent_verdict(),
                                                 **dict(zip(("wait_fraction", "batches_per_s"),
                                                            self._meter.recent()))),
@@ -140,16 +157,39 @@ class Control:
                         outage=self._outage,
                         stop=None if not cancellable else self._stop.is_set,
                         track=self._track if cancellable else None)
+            self._told = count
+            return response
         except BaseException:
             with self._lock:  # not delivered to the dispatcher: keep them for the next try
                 self._acks[:0] = acks
             raise
 
+    def gate(self, step: int, rule: str, wait_s: float = 1.0) -> None:
+        """From the fetcher's thread: syncs until the consumers' counts decide batch ``step`` by
+        ``rule`` (or ``wait_s`` passed); the news goes to the results queue, as the thread's."""
+        self._heard(self._sync(self.digest, wait_s=wait_s, cancellable=False, gate=step, rule=rule), self.count)
+
+    def _heard(self, response: dpb.SyncConsumerResponse, sent: Count) -> None:
+        """A sync's answer: new owners and counts to the fetcher; whether to tell again soon."""
+        with self._lock:
+            self._heard_locked(response, sent)
+
+    def _heard_locked(self, response: dpb.SyncConsumerResponse, sent: Count) -> None:
+        past = response.report_past if response.HasField("report_past") else None
+        self.report_past = past if past is not None and sent.total is None and sent.ready <= past else None
+        counts = list(response.counts)
+        if counts and counts != self._counts_heard:
+            self._counts_heard = counts
+            self._results.put(_Counts(self.key, counts))
+        if response.owners_digest != self.digest:
+            self.digest = response.owners_digest
+            self._results.put(_Owners(self.key, response))
+
     def _run(self) -> None:
-        digest = b""
         while not self._stop.is_set():
-            try:
-                response = self._sync(digest, wait_s=1.0)
+            sent = self.count
+            try:  # told to tell again soon (another consumer waits on this one's count): short polls
+                response = self._sync(self.digest, wait_s=1.0 if self.report_past is None else 0.05)
             except BaseException as e:  # noqa: BLE001 - never end quietly: the epoch fails with the reason
                 if not self._stop.is_set():
                     error = e if isinstance(e, DpexError) and not isinstance(e, DpexCancelledError) else \
@@ -157,9 +197,7 @@ class Control:
                                             f"{type(e).__name__}: {e}")
                     self._results.put(_Failed(self.key, error))
                 return
-            if response.owners_digest != digest:
-                digest = response.owners_digest
-                self._results.put(_Owners(self.key, response))
+            self._heard(response, sent)
 
     def close(self, flush: bool) -> None:
         """Stops the thread; with ``flush``, sends the remaining acks first."""
@@ -169,7 +207,7 @@ class Control:
                 self._future.cancel()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        if flush and self._acks:
+        if flush and (self._acks or self._told != self.count):  # and its last count (dpex.plan.even)
             try:
                 self._sync(b"", wait_s=0.0, cancellable=False)
             except DpexError as e:
@@ -334,7 +372,7 @@ class EpochFetcher:
                  meter: StatsMeter | None = None, leave: Callable[[bool], None] | None = None,
                  progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
                  client_id: int = 0, health: Callable[[], BaseException | None] | None = None,
-                 no_worker_s: float | None = None) -> None:
+                 no_worker_s: float | None = None, num_consumers: int = 1, even_batches: str | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
         ``leave(wait)`` tells the dispatcher the epoch was left unfinished
@@ -347,7 +385,9 @@ class EpochFetcher:
         ``job_key``: the job's (dpex.keys), sent with every call on it.
         ``health()``: why the loader's own cluster can serve no more, raised as
         the epoch's error (None: it can); ``no_worker_s``: how long the
-        dispatcher may have no live worker before the epoch fails (None: for ever)."""
+        dispatcher may have no live worker before the epoch fails (None: for ever).
+        ``num_consumers`` > 1: the job's consumers count their batches (dpex.plan.even);
+        ``even_batches`` the rule that makes their epochs equal (None: torch's, and a warning)."""
         self._streams = streams
         self._results = streams.results
         self._job_key = job_key
@@ -369,10 +409,14 @@ class EpochFetcher:
         self._left_why: str | None = None  # why another epoch took this one's place
         self._interrupted = False
         self.key = EpochKey(job_id, consumer_index, epoch)
+        self._gate = EvenGate(even_batches, num_consumers, consumer_index, epoch) if num_consumers > 1 else None
+        self._held: tuple[wpb.Batch, Any, int] | None = None  # received, waiting for the gate
+        self._even_ended = False  # the rule ended the epoch before this consumer's own end
         streams.start_epoch(self.key)  # before the control thread, whose news must find it begun
         self._control = Control(stub, target, self.key, self._results, retry_for_s, outage,
                                 self._meter, client_id, job_key)
         self._control.next_seq = self._ledger.low
+        self._control.count = self._own()
         self._exit = _Exit(self._control, leave, streams, self.key, client_id, self)
         _live.add(self._exit)
         self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
@@ -383,8 +427,8 @@ class EpochFetcher:
 
     @property
     def finished(self) -> bool:
-        """Every batch of the epoch was yielded."""
-        return self._exit.finished
+        """Every batch of the epoch was yielded (or as many as even_batches gives)."""
+        return self._exit.finished or self._even_ended
 
     def __len__(self) -> int:
         if self._ledger.num_streams:
@@ -420,10 +464,22 @@ class EpochFetcher:
         while True:
             if self._interrupted:
                 raise StopIteration
-            item = self._ledger.pop_ready(self._ordered)
+            item = self._held = self._held or self._ledger.pop_ready(self._ordered)  # its own until given
+            if self._gate is not None and self._gate.rule is not None and (item is not None or self._ledger.finished):
+                verdict = self._even(item is not None)
+                if verdict is None:  # the others' counts do not decide it yet: a sync that waits for them
+                    self._wait_gate(last_progress)
+                    continue
+                if verdict == even.END:
+                    self._end_evenly(item)
+                if item is None:  # "longest": this consumer's own ran out, another's go on
+                    return self._repeat()
+            self._held = None
             if item is not None:
                 return self._finish(item)
             if self._ledger.finished:
+                if self._gate is not None and self._gate.rule is None:
+                    self._check_even()
                 self._exit.finished = True
                 self.close()
                 raise StopIteration
@@ -470,6 +526,103 @@ class EpochFetcher:
                 f"{self._target} has had no live worker for {now - self._no_workers_since:.0f}s (start "
                 "dpex-worker --dispatcher HOST:PORT on the nodes with the data)"))
 
+    # ---- even_batches (dpex.plan.even, dpex.client.gate) ------------------------------
+    def _own(self) -> Count:
+        """This consumer's batches of the epoch: at least those given and received; all, once known."""
+        ledger = self._ledger
+        total = ledger.total()
+        if total is not None:
+            return Count(total, total)
+        return Count(ledger.yielded + len(ledger.received) + (self._held is not None))
+
+    @property
+    def _step(self) -> int:
+        """The number of the batch to give next (this consumer's own and repeats)."""
+        return self._ledger.yielded + self.progress.repeats
+
+    def _even(self, own_batch: bool) -> str | None:
+        assert self._gate is not None
+        if self._gate.rule == even.LONGEST and own_batch:
+            return even.GO
+        return self._gate.decide(self._step, self._own())
+
+    def _check_even(self) -> None:
+        """Without even_batches, at the epoch's end: whether another consumer has more batches
+        (a DDP rank that would wait in an all-reduce for ever), warned once. Asked as a
+        "longest" gate past this one's last batch, waited for briefly (the others told at once)."""
+        assert self._gate is not None
+        own = self._control.count = self._own()
+        try:
+            self._control.gate(self._step, even.LONGEST, wait_s=_EVEN_CHECK_S)
+        except DpexError as e:
+            log.debug("could not compare the epoch's counts: %s", e)
+            return
+        self._drain()
+        self._gate.check(own)
+
+    def _drain(self) -> None:
+        """The results queue's news, taken now (after a sync of this thread's)."""
+        while True:
+            try:
+                got = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(got)
+
+    def _wait_gate(self, last_progress: float) -> None:
+        """One sync that waits (a second at most) for the counts to decide the next batch."""
+        assert self._gate is not None and self._gate.rule is not None
+        self._control.count = self._own()
+        try:
+            self._control.gate(self._step, self._gate.rule)
+        except DpexError:
+            self.close()
+            raise
+        self._drain()
+        now = time.monotonic()
+        if self._timeout_s is not None and now - last_progress > self._timeout_s:
+            self.close()
+            waited = ", ".join(map(str, self._gate.waited_on(self._step, self._own())))
+            raise DpexTimeoutError(
+                f"job {self.key.job_id} consumer {self.key.consumer_index} epoch {self.key.epoch}: waited "
+                f"{self._timeout_s:g}s at batch {self._step} for consumer(s) {waited or '?'} of the job to say "
+                f"whether they have one (even_batches={self._gate.rule!r}): is that rank running?")
+
+    def _end_evenly(self, item: tuple[wpb.Batch, Any, int] | None) -> None:
+        """The rule ended the epoch here: this consumer's batches past it are dropped (counted)."""
+        own = self._own()
+        dropped = own.ready - self._ledger.yielded  # at least; with its end unknown, the rest are not made
+        self._held = None
+        if item is not None:
+            drop_file(item[0])
+        if dropped > 0:
+            log.info("even_batches=%r: epoch %d ends at %d batches; %d of consumer %d's own dropped",
+                     self._gate.rule if self._gate else None, self.key.epoch, self._step, dropped,
+                     self.key.consumer_index)
+            self._meter.evened(dropped=dropped)
+        if self._ledger.finished:
+            self._exit.finished = True
+        else:
+            self._even_ended = True
+        self.close()
+        raise StopIteration
+
+    def _repeat(self) -> tuple[Any, int, int]:
+        """"longest": the epoch's first batch again, for a consumer whose own ran out."""
+        assert self._gate is not None
+        if not self._gate.has_first:
+            try:  # its count told first: the others end their epoch at theirs
+                self._control.gate(self._step, even.LONGEST, wait_s=0.0)
+            except DpexError as e:
+                log.debug("could not tell the epoch's count: %s", e)
+            self.close()
+            raise DpexConfigError(
+                f"consumer {self.key.consumer_index} of job {self.key.job_id} has no batch of its own in epoch "
+                f"{self.key.epoch} to repeat while others go on (even_batches='longest' repeats a rank's own "
+                "first batch): give every rank data, or even_batches='shortest'")
+        self._meter.evened(repeated=1)
+        return self._gate.first, 0, -1
+
     # ---- internals ------------------------------------------------------------
     def _waiting_for(self, what: str) -> str:
         missing = self._ledger.missing()
@@ -482,6 +635,7 @@ class EpochFetcher:
     def _finish(self, item: tuple[wpb.Batch, Any, int]) -> tuple[Any, int, int]:
         meta, batch, nbytes = item
         self._ledger.given(meta.seq, self._ordered)
+        self._control.count = self._own()
         if meta.stream_state:  # the dataset's own state after this batch, for a checkpoint
             self.progress.offer(meta.seq, meta.stream_state)
         if meta.HasField("error"):
@@ -489,6 +643,8 @@ class EpochFetcher:
             if meta.error.stage in _FATAL_STAGES:
                 self.close()
             raise BatchFailed(meta.seq, error)
+        if self._gate is not None:
+            self._gate.given(batch)
         return batch, nbytes, meta.seq
 
     def _send(self, asks: dict[str, list[int]]) -> None:
@@ -501,8 +657,12 @@ class EpochFetcher:
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
         ledger = self._ledger
-        if isinstance(got, (_Owners, _Failed)) and got.key != self.key:
+        if isinstance(got, (_Owners, _Failed, _Counts)) and got.key != self.key:
             return False  # an earlier epoch's on this lane, ended after this one began
+        if isinstance(got, _Counts):
+            if self._gate is not None:
+                self._gate.told(got.counts, self._own())
+            return False
         if isinstance(got, _Owners):
             self._router.update(got.response)
             self._meter.workers_alive = self._router.workers_alive
@@ -546,6 +706,7 @@ class EpochFetcher:
             if meta.stream_state:  # its dataset as the epoch left it (a job that keeps its dataset)
                 self.progress.carry(stream_of(seq, ledger.num_streams)[0], meta.stream_state)
             self._control.next_seq = ledger.low
+            self._control.count = self._own()
             return True
         if not ledger.is_new(seq):
             drop_file(meta)
@@ -582,6 +743,7 @@ class EpochFetcher:
         ledger.receive(seq, (meta, batch, size))
         self._control.ack(seq)
         self._control.next_seq = ledger.low
+        self._control.count = self._own()
         return True
 
     def _corrupt_frame(self, address: str, seq: int | None, error: DpexWireError) -> bool:

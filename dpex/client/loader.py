@@ -117,6 +117,15 @@ class RemoteDataLoader:
     workers by index, across epochs and jobs of the same dataset, for a
     dataset whose samples do not change between epochs; it checks itself
     (see dpex.worker.samples).
+    With ``num_consumers`` > 1 (DDP ranks), ``even_batches`` gives every consumer
+    the same number of batches in an epoch whatever its data yields (an
+    IterableDataset's shards, a batch_sampler's), so that no rank leaves a DDP
+    step's all-reduce waiting: ``"shortest"`` stops each at the fewest any has
+    (the rest dropped, ``stats().batches_dropped``); ``"longest"`` (``True``, as
+    Accelerate's) has a rank whose own ran out give its epoch's first batch
+    again while another has batches (``stats().batches_repeated``). The default
+    (False) is torch's: counts as they come, and a warning naming them when
+    they differ (see dpex.plan.even).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -133,7 +142,8 @@ class RemoteDataLoader:
                  compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
                  shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
                  reproducible: bool = _O.reproducible, share: bool = _O.share, cache: str | None = _O.cache,
-                 prefetch_factor: int = _O.prefetch_factor) -> None:
+                 prefetch_factor: int = _O.prefetch_factor,
+                 even_batches: bool | str | None = _O.even_batches) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         check_usable()
         if dataset is None:
@@ -155,7 +165,7 @@ class RemoteDataLoader:
             shuffle=shuffle, seed=seed, shard=shard, compact_plans=compact_plans, reproducible=reproducible,
             auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context),
             share=bool(share), cache=cache,
-            prefetch_factor=prefetch_factor)
+            prefetch_factor=prefetch_factor, even_batches=even_batches)
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,

@@ -8,6 +8,7 @@ from typing import Any
 
 from dpex.errors import DpexConfigError
 from dpex.address import check_address
+from dpex.plan.even import rule_of
 from dpex.wire.compression import check as check_compression
 
 
@@ -51,6 +52,7 @@ class LoaderOptions:
     start_method: str | None = None      # an embedded cluster's processes; None: multiprocessing's
     share: bool = True                   # equal jobs' batches made once (dpex.worker.sharing)
     cache: str | None = None             # "memory" or "disk": samples kept on the workers (dpex.worker.samples)
+    even_batches: bool | str | None = False  # several consumers: each the same number (dpex.plan.even)
 
     def __post_init__(self) -> None:
         if self.address is not None and self.address != "auto" and not str(self.address).startswith("ray://"):
@@ -76,6 +78,10 @@ class LoaderOptions:
         object.__setattr__(self, "compression", check_compression(self.compression))
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         _check(self.cache in (None, "memory", "disk"), f"cache must be 'memory', 'disk' or None, got {self.cache!r}")
+        try:  # kept as the rule's name: "shortest", "longest" (True) or None (torch's: False)
+            object.__setattr__(self, "even_batches", rule_of(self.even_batches))
+        except ValueError as e:
+            raise DpexConfigError(str(e)) from None
 
     @property
     def first_contact_s(self) -> float:

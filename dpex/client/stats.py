@@ -51,6 +51,8 @@ class LoaderStats:
     stages: dict[str, float] = field(default_factory=dict)
     bottleneck: str = "none"
     bottleneck_reason: str = ""
+    batches_dropped: int = 0   # even_batches="shortest": a consumer's own batches past the fewest, not given
+    batches_repeated: int = 0  # even_batches="longest": its first batch given again once its own ran out
     figures: Figures | None = field(default=None, repr=False, compare=False)
 
     def predict(self, workers: int | None = None, processes: int | None = None) -> float:
@@ -128,6 +130,7 @@ class StatsMeter:
         self.workers_alive = 0
         self._recent = 0
         self._verdict: Verdict | None = None  # the last window's (its wait share and rate too), for the dispatcher
+        self._evened = [0, 0]  # batches dropped and repeated by even_batches, since the start or reset
 
     def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
         """A batch of ``epoch`` (a key, not the iterator: the meter must not
@@ -148,6 +151,12 @@ class StatsMeter:
         with self._lock:
             for sums in (self._total, self._window):
                 sums.received_one(address, times, receive_s, decode_s, processes)
+
+    def evened(self, dropped: int = 0, repeated: int = 0) -> None:
+        """even_batches dropped or repeated batches (dpex.client.gate)."""
+        with self._lock:
+            self._evened[0] += dropped
+            self._evened[1] += repeated
 
     def pinned(self, seconds: float) -> None:
         """A batch was pinned in ``seconds``."""
@@ -192,7 +201,9 @@ class StatsMeter:
     def stats(self, reset: bool = False) -> LoaderStats:
         with self._lock:
             figures, nbytes = self._total.figures(self.workers_alive), self._total.nbytes
+            dropped, repeated = self._evened
             if reset:
+                self._evened = [0, 0]
                 self._total = _Sums()
                 self._last = None
         fraction, computing = figures.wait_fraction, figures.elapsed_s - figures.wait_s
@@ -212,4 +223,5 @@ class StatsMeter:
                            elapsed_s=figures.elapsed_s, wait_s=figures.wait_s, batches_per_s=figures.rate,
                            wait_fraction=fraction, input_bound=figures.input_bound,
                            workers_alive=figures.workers_alive, workers_needed=needed, advice=advice,
-                           stages=figures.stages, bottleneck=word, bottleneck_reason=reason, figures=figures)
+                           stages=figures.stages, bottleneck=word, bottleneck_reason=reason,
+                           batches_dropped=dropped, batches_repeated=repeated, figures=figures)

@@ -167,13 +167,6 @@ class DispatcherCore(Journaled):
             if request.consumer_index >= job.definition.num_consumers:
                 raise DpexConfigError(f"consumer_index {request.consumer_index} is out of range for "
                                       f"a job with {job.definition.num_consumers} consumers")
-            counted = job.epoch_batches.get(request.epoch)  # kept after that consumer's epoch ended
-            if (counted is not None and counted[1] != request.consumer_index and counted[0] != num_batches
-                    and not request.num_streams):
-                raise DpexConfigError(
-                    f"consumer {request.consumer_index} planned {num_batches} batches for "
-                    f"epoch {request.epoch} but consumer {counted[1]} planned {counted[0]}; "
-                    "every consumer must get the same number of batches (DDP ranks would hang)")
             self.claim(request, peer, job.definition.name, takeover=bool(request.resume_id))
             self.seen.consumer(request.job_id, request.consumer_index)
             same = self.state.plan(request.job_id, request.consumer_index, request.epoch)

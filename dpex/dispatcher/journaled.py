@@ -14,6 +14,7 @@ from typing import Any, Callable
 from dpex.auth import answers
 from dpex.config import DispatcherConfig
 from dpex.dispatcher.claims import HELD_S, Claims
+from dpex.dispatcher.counts import EpochCounts
 from dpex.dispatcher.liveness import Liveness
 from dpex.dispatcher.planfiles import PlanFiles
 from dpex.dispatcher.scaling import Decision, Policy, ScalingConfig
@@ -46,6 +47,7 @@ class Journaled:
         self.waiters = Waiters()               # guarded by lock
         self.seen = Liveness(clock)            # guarded by lock
         self.claims = Claims()                 # guarded by lock: which loader holds each consumer
+        self.counts = EpochCounts()            # guarded by lock: each consumer's batches (even_batches)
         self.started = time.monotonic()
         self.heartbeats = 0                    # guarded by lock: answered since start (GetStatus)
         self.stopping = threading.Event()      # the long polls end; no new one waits

@@ -12,6 +12,7 @@ import time
 from dpex.dispatcher import assignment
 from dpex.dispatcher.journaled import Journaled
 from dpex.dispatcher.state import Plan
+from dpex.plan import even
 from dpex.errors import DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
@@ -81,6 +82,10 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
                 f"epoch {request.epoch} (another trainer may have replaced it)")
         core.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
                            request.batches_per_s, request.verdict if request.HasField("verdict") else None)
+        consumers = job.definition.num_consumers
+        if consumers > 1 and core.counts.tell(request.job_id, request.epoch, request.consumer_index, even.Count(
+                request.ready, request.total if request.HasField("total") else None)):
+            core.waiters.wake_consumers((request.job_id, c) for c in core.counts.gated.get(request.job_id, ()))
         if request.delivered_seqs:
             core.apply(mark_delivered=jpb.MarkDelivered(
                 job_id=request.job_id, consumer_index=request.consumer_index,
@@ -91,7 +96,7 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
         if waited is not None:
             core.apply(assign_splits=jpb.AssignSplits(worker_id=waited[0], split_ids=[waited[1]]))
     try:
-        return await _owners(core, request, plan, deadline)
+        return await _owners(core, request, plan, deadline, consumers)
     except asyncio.CancelledError:
         # The trainer's connection ended (a dead process, when the server sees it; else its
         # silence frees the consumer after claims.HELD_S), or its loader left the poll: it
@@ -102,21 +107,45 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
 
 
 async def _owners(core: Journaled, request: dpb.SyncConsumerRequest, plan: Plan,
-                  deadline: float) -> dpb.SyncConsumerResponse:
-    """The plan's owners, once they differ from those the trainer knows."""
+                  deadline: float, consumers: int) -> dpb.SyncConsumerResponse:
+    """The plan's owners, once they differ from those the trainer knows; with a
+    ``gate`` (even_batches), once the consumers' counts decide that batch; asked
+    by another consumer's gate to tell its count again, at once."""
+    me = (request.job_id, request.consumer_index)
+    gated = request.HasField("gate") and request.even_batches
     while True:
         with core.lock:
             core.check_serving()
             owners = core.state.owners(plan)
             digest = hashlib.sha256(repr([(s.split_id, w.worker_id) for s, w in owners]).encode()).digest()[:16]
             remaining = deadline - time.monotonic()
-            if digest != request.owners_digest or remaining <= 0 or core.waiters.full:
+            counts = core.counts.of(request.job_id, request.epoch) if consumers > 1 else {}
+            decided = gated and even.decide(request.even_batches, request.gate, counts, consumers) is not None
+            if gated and not decided:  # those whose word may decide it are asked to tell it again
+                for c in even.waited_on(request.gate, counts, consumers):
+                    if c != request.consumer_index and core.counts.ask(request.job_id, c, request.gate):
+                        core.waiters.wake_consumers([(request.job_id, c)])
+            asked = core.counts.asked(*me)
+            if (digest != request.owners_digest or remaining <= 0 or core.waiters.full or decided
+                    or (not gated and asked is not None and not asked[1])):
                 response = dpb.SyncConsumerResponse(workers_alive=len(core.state.alive_workers()),
                                                     owners_digest=digest)
                 for split, worker in owners:
                     response.owners.add(split_id=split.split_id, first_seq=split.first_seq,
                                         num_batches=split.num_batches, worker_id=worker.worker_id,
                                         worker_address=worker.address)
+                for c, count in sorted(counts.items()):
+                    response.counts.add(consumer_index=c, ready=count.ready, total=count.total)
+                if asked is not None:
+                    response.report_past = asked[0]
+                    core.counts.told(*me)
                 return response
-            poll = core.waiters.consumer((request.job_id, request.consumer_index))
-        await core.wait(poll, remaining)
+            poll = core.waiters.consumer(me)
+            if gated:
+                core.counts.gate(*me, waiting=True)
+        try:
+            await core.wait(poll, remaining)
+        finally:
+            if gated:
+                with core.lock:
+                    core.counts.gate(*me, waiting=False)

@@ -101,3 +101,4 @@ class Reaper:
                 core.apply(remove_job=jpb.RemoveJob(job_id=job_id))
                 core.seen.forget_job(job_id)
                 core.claims.forget_job(job_id)
+                core.counts.forget_job(job_id)

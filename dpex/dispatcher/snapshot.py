@@ -26,8 +26,6 @@ def take(state: DispatcherState) -> jpb.Snapshot:
         out = snap.jobs.add(created=jpb.CreateJob(job_id=job.job_id, job=job.definition),
                             epochs=job.epochs, closed=sorted(job.closed),
                             batches_planned=job.batches_planned, batches_delivered=job.batches_delivered)
-        for epoch, (num_batches, consumer) in job.epoch_batches.items():
-            out.epoch_batches[epoch].CopyFrom(jpb.EpochCount(num_batches=num_batches, consumer_index=consumer))
         for plan in job.plans.values():
             p = out.plans.add(
                 submitted=jpb.SubmitPlan(
@@ -65,9 +63,7 @@ def restore(snap: jpb.Snapshot) -> DispatcherState:
         definition.CopyFrom(j.created.job)
         job = state.jobs[j.created.job_id] = Job(j.created.job_id, definition, epochs=dict(j.epochs),
                                                  closed=set(j.closed), batches_planned=j.batches_planned,
-                                                 batches_delivered=j.batches_delivered,
-                                                 epoch_batches={e: (c.num_batches, c.consumer_index)
-                                                                for e, c in sorted(j.epoch_batches.items())})
+                                                 batches_delivered=j.batches_delivered)
         if definition.name:
             state.jobs_by_name[definition.name] = job.job_id
         for p in j.plans:

@@ -28,7 +28,6 @@ from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import journal_pb2 as jpb
 
 
-EPOCHS_REMEMBERED = 64  # epochs whose batch count a job keeps, to refuse a rank planning another count
 _REMEMBER_COLLECTED = 10_000  # collected job ids kept, to tell a returning trainer what happened
 
 
@@ -187,8 +186,6 @@ class Job:
     definition: dpb.JobDef
     plans: dict[int, Plan] = field(default_factory=dict)  # consumer -> newest plan
     epochs: dict[int, int] = field(default_factory=dict)  # consumer -> newest epoch it planned
-    # epoch -> (batches, consumer) of its plan first submitted, whatever became of it: DDP ranks plan alike
-    epoch_batches: dict[int, tuple[int, int]] = field(default_factory=dict)
     closed: set[int] = field(default_factory=set)         # consumers gone (closed or silent)
     share_keys: dict[int, bytes] = field(default_factory=dict)  # consumer -> its newest plan's, kept after release
     batches_planned: int = 0
@@ -289,16 +286,6 @@ class DispatcherState:
         job.plans[u.consumer_index] = plan
         job.epochs[u.consumer_index] = u.epoch
         job.share_keys[u.consumer_index] = u.share_key
-        if not u.num_streams:
-            counted = job.epoch_batches.get(u.epoch)
-            if counted is None or counted[1] == u.consumer_index:  # a rank's own rerun may plan anew
-                job.epoch_batches[u.epoch] = (plan.num_batches, u.consumer_index)
-            # Only epochs a consumer may still plan: from the oldest newest one (the live state's size).
-            oldest = min(job.epochs.get(c, 0) for c in range(job.definition.num_consumers))
-            for epoch in [e for e in job.epoch_batches if e < oldest]:
-                del job.epoch_batches[epoch]
-            while len(job.epoch_batches) > EPOCHS_REMEMBERED:
-                del job.epoch_batches[min(job.epoch_batches)]
         job.closed.discard(u.consumer_index)
         job.batches_planned += plan.num_batches
         self.changes.consumers.add((u.job_id, u.consumer_index))

@@ -111,6 +111,12 @@ class Waiters:
             poll.wake()
             self._hungry.move_to_end(poll)  # woken: the next new split goes to another first
 
+    def wake_consumers(self, keys) -> None:
+        """Wakes the polls of these consumers ((job, consumer) pairs)."""
+        for key in keys:
+            for poll in self._consumers.get(key, ()):
+                poll.wake()
+
     def told(self, worker_id: str, held: set[int], released: list[int]) -> None:
         """The worker that holds ``held`` was told to drop ``released``: it
         no longer needs a word of those, nor of settled splits it does not hold."""

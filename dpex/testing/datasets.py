@@ -250,6 +250,22 @@ class Uneven(torch.utils.data.IterableDataset):
                    "r": torch.randint(0, 1 << 30, ()).item()}
 
 
+class RankShards(torch.utils.data.IterableDataset):
+    """Rank r's shard has ``sizes[r]`` samples (none past the list), r read from ``RANK`` as a
+    torch DataLoader worker sees it under torchrun; split among a rank's streams as torch's
+    workers split it (sample i to worker i mod N). Sample i of rank r is r * 1000 + i."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = list(sizes)
+
+    def __iter__(self):
+        rank = int(os.environ.get("RANK", 0))
+        info = torch.utils.data.get_worker_info()
+        k, n = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(k, self.sizes[rank] if rank < len(self.sizes) else 0, n):
+            yield torch.tensor([rank * 1000 + i])
+
+
 class StatefulUneven(Uneven):
     """Uneven with its own state_dict (torchdata's protocol): a resumed stream
     starts where its state says; samples tell where their stream started."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 from typing import Any, NamedTuple
 
 import cloudpickle
 
 from dpex.plan.seq import stream_seq
+from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import worker_pb2 as wpb
 from dpex.wire import frame_parts
 from dpex import seeding, stdlib, wire
@@ -51,6 +53,16 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _as_rank(consumer_index: int, job_path: str) -> None:
+    """Under DDP each torch DataLoader worker inherits its rank's RANK and WORLD_SIZE (torchrun's):
+    a stream's process sees its consumer's, so that an IterableDataset sharding by them (reading them,
+    or webdataset's pytorch_worker_info) shards as it would under torch."""
+    with open(job_path, "rb") as f:
+        consumers = dpb.JobDef.FromString(f.read()).num_consumers
+    if consumers > 1:
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(consumer_index), str(consumers)
+
+
 def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> None:
     """The stream process: iterate, batch, send a frame per credit, then the end."""
     runtime.init_process(worker_address)
@@ -73,6 +85,7 @@ def run_stream(split: dict, job_path: str, worker_address: str, conn: Any) -> No
     j, stage = split["next"], "build"
     keeps = False
     try:
+        _as_rank(split["consumer_index"], job_path)
         job = runtime.load_job(split["job_id"], job_path)
         # persistent_workers, or num_workers=0: torch iterates one dataset object epoch after epoch
         keeps = job.persistent or job.main_process

@@ -70,3 +70,31 @@ def test_a_dispatcher_that_stops_serving_ends_its_long_polls_as_an_outage(make_c
         return await asyncio.wait_for(task, 10)
     with pytest.raises(DpexConnectionError, match="shutting down"):
         asyncio.run(run())
+
+
+def test_a_gated_sync_waits_for_the_other_consumers_count_and_asks_it_to_tell_at_once(make_core):
+    """even_batches: consumer 0 waits to give batch 3; consumer 1 told 2 and waits in its own long poll:
+    it is answered at once, asked to tell again past 3 (report_past), and its next count answers 0."""
+    core = make_core()
+    job_id = job(core, "ddp", consumers=2)
+    plan(core, job_id, 6, consumer=0, client=1)
+    plan(core, job_id, 6, consumer=1, client=2)
+
+    def sync(consumer, client, **kw):
+        return core.sync_consumer(dpb.SyncConsumerRequest(job_id=job_id, job_key=job_key(core, job_id), epoch=0,
+                                                          consumer_index=consumer, client_id=client, **kw), LOCAL)
+
+    async def run():
+        first = await sync(1, 2, ready=2)  # answered at once (no owners digest yet): it told 2
+        idle = asyncio.ensure_future(sync(1, 2, ready=2, wait_s=30, owners_digest=first.owners_digest))
+        assert not await settle(idle)
+        gated = asyncio.ensure_future(sync(0, 1, ready=6, total=6, gate=3, even_batches="shortest", wait_s=30,
+                                           owners_digest=first.owners_digest))
+        asked = await asyncio.wait_for(idle, 10)  # woken: told to tell again once past 3
+        assert asked.report_past == 3 and not await settle(gated)
+        await sync(1, 2, ready=3, wait_s=0)  # not yet past it
+        assert not await settle(gated)
+        await sync(1, 2, ready=4, wait_s=0)
+        answer = await asyncio.wait_for(gated, 10)
+        return {c.consumer_index: (c.ready, c.total if c.HasField("total") else None) for c in answer.counts}
+    assert asyncio.run(run()) == {0: (6, 6), 1: (4, None)}
