@@ -73,6 +73,11 @@ class Progress:
                 self._states[seq] = state
                 self._advance_stream(stream_of(seq, self.num_streams)[0])
 
+    def was_given(self, seq: int) -> bool:
+        """Batch ``seq`` went to the loop (or was given before the checkpoint, or skipped)."""
+        with self._lock:
+            return self._given.passed(seq)
+
     def carry(self, stream: int, replica: bytes) -> None:
         """Stream ``stream``'s dataset as it ended the epoch: the next epoch's stream iterates it."""
         with self._lock:

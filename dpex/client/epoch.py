@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 from dpex.client import checkpoint, job as jobs
 from dpex.client.checkpoint import EpochState, Progress
@@ -22,7 +23,8 @@ from dpex.client.pinning import PinnedEpoch
 from dpex.client.sampling import EpochDraw, EpochPlans
 from dpex.client.session import Session
 from dpex.client.stats import StatsMeter
-from dpex.errors import JOB_COLLECTED, DpexNotFoundError
+from dpex.errors import JOB_COLLECTED, DpexConfigError, DpexNotFoundError
+from dpex.plan import samplers
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.wire.batchkey import EpochKey
 
@@ -41,6 +43,7 @@ class Epochs:
         self.current: EpochState | None = None  # the epoch in progress, for state_dict()
         self.replicas: dict[int, bytes] = {}  # stream -> the dataset its next epoch starts from (see Progress)
         self.resume: EpochState | None = None   # from load_state_dict(), for the next iter()
+        self.fetcher: Callable[[], EpochFetcher | None] = lambda: None  # the epoch in progress (weakly)
 
     def begin(self, owner: Any) -> Iterator[Any]:
         """The next epoch, as ``iter()`` returns it: planned and started when
@@ -88,6 +91,7 @@ class Epochs:
             num_consumers=self.opts.num_consumers, even_batches=self.opts.even_batches)
         self.current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                   progress, streams, resume.reshard if resume is not None else None, draw=draw)
+        self.fetcher = weakref.ref(fetcher)
         iterator = fetcher if self.pin is None else PinnedEpoch(fetcher, self.pin, self.window, self.meter)
         lane.start(iterator)
         return iterator
@@ -118,6 +122,32 @@ class Epochs:
             session.remake(lane)
             submit.job_id, submit.job_key = lane.job_id, lane.job_key
             return jobs.submit(session.call, session.stub, submit, plan)
+
+    def plan_of(self, step: int) -> dict[int, list[int]]:
+        """The indices each consumer (rank) gets at ``step`` of the epoch in progress (or last begun)."""
+        current = self.resume or self.current
+        if current is None:
+            raise DpexConfigError("no epoch was begun yet: plan_of() reads the plan of the epoch in progress")
+        if current.num_streams:
+            raise DpexConfigError("an IterableDataset's batches are what its streams yield: it has no plan to read")
+        if not 0 <= step < current.num_batches:
+            raise DpexConfigError(f"step {step} is not in epoch {current.epoch}, of {current.num_batches} batches")
+        if current.sampler is not None:  # a description: any rank's batch, computed, not drawn whole
+            return samplers.every_rank(current.sampler, step, self.opts.consumer_index)
+        batches = current.batches or []  # a sampler of the user's own: this rank's plan alone is here
+        return {self.opts.consumer_index: list(batches[step].indices)} if step < len(batches) else {}
+
+    def skip(self, steps: int | range) -> int:
+        """Skips steps of the epoch in progress (``int``: the next that many); how many were skipped."""
+        fetcher = self.fetcher()
+        if fetcher is None or fetcher.closed:
+            raise DpexConfigError("no epoch is in progress: skip() passes over steps of the epoch being read")
+        if self.pin is not None:
+            raise DpexConfigError("skip() with pin_memory=True is not supported yet: its batches are pinned ahead")
+        if isinstance(steps, int):
+            first = fetcher.next_step
+            steps = range(first, min(first + steps, len(fetcher)))
+        return fetcher.skip(steps)
 
     # ---- state dicts ------------------------------------------------------------------
     def next_replicas(self) -> dict[int, bytes]:

@@ -449,6 +449,38 @@ class EpochFetcher:
         self._meter.record(self.key, asked_at, nbytes)
         return batch
 
+    @property
+    def next_step(self) -> int:
+        """The step (batch) the loop is given next, in plan order."""
+        return self._ledger.next if self._ordered else self._ledger.yielded
+
+    def skip(self, steps: range) -> int:
+        """Steps (batches) of this epoch that the loop is not to be given, none given yet (a map-style
+        epoch): never fetched, acknowledged (delivered once: none is made or given again, after a
+        resume too), recorded in the progress a state dict keeps. How many were skipped."""
+        ledger = self._ledger
+        if ledger.num_streams:
+            raise DpexConfigError("an IterableDataset's batches are what its streams yield: none can be skipped "
+                                  "by step")
+        first = ledger.next if self._ordered else 0
+        if steps.step != 1 or steps.start < first or steps.stop > ledger.num_batches:
+            raise DpexConfigError(f"steps {steps.start}..{steps.stop - 1} are not all ahead in epoch "
+                                  f"{self.key.epoch} (next {first}, of {ledger.num_batches} batches)")
+        skipped = 0
+        for seq in steps:
+            if self.progress.was_given(seq):
+                continue
+            item = ledger.skip(seq)
+            if self._held is not None and self._held[0].seq == seq:
+                item, self._held = self._held, None
+            if item is not None:
+                drop_file(item[0])
+            self.progress.add(seq)
+            self._control.ack(seq)
+            skipped += 1
+        self._control.next_seq = ledger.low
+        return skipped
+
     def interrupt(self) -> None:
         """From another thread: makes a blocked next_batch() stop (StopIteration)."""
         self._interrupted = True

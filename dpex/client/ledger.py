@@ -132,6 +132,16 @@ class Ledger(Generic[T]):
             self.retry.discard(seq)
         self.delivered.settle()
 
+    def skip(self, seq: int) -> T | None:
+        """Batch ``seq`` is not to be given (the loop skips it): never asked for, counted as given;
+        its item if it was received (to drop)."""
+        self.requested.pop(seq, None)
+        self.retry.discard(seq)
+        self.resumed.add(seq)  # as a checkpoint's: passed over
+        self.delivered.mark(seq)
+        self.yielded += 1
+        return self.received.pop(seq, None)
+
     def pop_ready(self, ordered: bool) -> T | None:
         """The next received item to give to the loop, if it is here."""
         if ordered:

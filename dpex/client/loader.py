@@ -117,15 +117,10 @@ class RemoteDataLoader:
     workers by index, across epochs and jobs of the same dataset, for a
     dataset whose samples do not change between epochs; it checks itself
     (see dpex.worker.samples).
-    With ``num_consumers`` > 1 (DDP ranks), ``even_batches`` gives every consumer
-    the same number of batches in an epoch whatever its data yields (an
-    IterableDataset's shards, a batch_sampler's), so that no rank leaves a DDP
-    step's all-reduce waiting: ``"shortest"`` stops each at the fewest any has
-    (the rest dropped, ``stats().batches_dropped``); ``"longest"`` (``True``, as
-    Accelerate's) has a rank whose own ran out give its epoch's first batch
-    again while another has batches (``stats().batches_repeated``). The default
-    (False) is torch's: counts as they come, and a warning naming them when
-    they differ (see dpex.plan.even).
+    ``even_batches`` gives every consumer (DDP rank) as many batches whatever its
+    data yields: ``"shortest"`` stops all at the fewest (``stats().batches_dropped``),
+    ``"longest"`` (``True``, as Accelerate's) repeats a short rank's first batch
+    (``stats().batches_repeated``); False, torch's counts and a warning (dpex.plan.even).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -240,6 +235,24 @@ class RemoteDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
         self._epochs.plans.set_epoch(epoch)
+
+    def plan_of(self, step: int) -> dict[int, list[int]]:
+        """The dataset indices each rank gets at batch ``step`` of the epoch in progress (or last
+        begun), by rank; computed from its description, no permutation drawn whole for a
+        ShuffleSampler or an unshuffled one; a sampler of the user's own: this rank's only.
+
+        Raises:
+            DpexConfigError: no epoch begun yet, an IterableDataset, or ``step`` past the epoch."""
+        return self._epochs.plan_of(step)
+
+    def skip(self, steps: int | range) -> int:
+        """Passes over ``steps`` (a range not given yet, or the next ``int``) of the epoch in
+        progress, as after a loss spike: never fetched nor given, counted delivered, kept skipped
+        through a state dict's resume; every rank skips alike. Returns how many were skipped.
+
+        Raises:
+            DpexConfigError: no map-style epoch in progress, steps given or past it, pin_memory."""
+        return self._epochs.skip(steps)
 
     def __iter__(self) -> Iterator[Any]:
         if self._finalizer.alive is False:

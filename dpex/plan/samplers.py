@@ -168,6 +168,23 @@ def batches(spec: Spec, first: int, count: int) -> list[list[int]]:
     return [flat[i:i + size] for i in range(0, len(flat), size)]
 
 
+def every_rank(spec: Spec, seq: int, own: int) -> dict[int, list[int]]:
+    """Batch ``seq`` of every rank the description shards the epoch among (rank: its indices), or of
+    consumer ``own`` alone when it shards nothing. A rank whose epoch is shorter has none."""
+    if not _KINDS[spec.kind].sharded:
+        got = batches(spec, seq, 1)
+        return {own: got[0]} if got else {}
+    out = {}
+    for rank in range(spec.num_replicas):
+        other = Spec()
+        other.CopyFrom(spec)
+        other.rank = rank
+        got = batches(other, seq, 1)
+        if got:
+            out[rank] = got[0]
+    return out
+
+
 def places(spec: Spec, first: int, count: int) -> list[list[int]]:
     """The places of the samples of batches ``first`` .. ``first + count - 1``
     (what their random draws are keyed by, dpex.seeding): DistributedSampler's

@@ -111,3 +111,20 @@ def test_streams_of_unknown_length_end_and_their_later_seqs_are_dropped():
         ledger.given(item, True)
         order.append(item)
     assert order == [0, 1, 2, 4] and ledger.finished
+
+
+def test_skipped_batches_are_never_asked_for_never_given_and_count_as_given():
+    ledger = Ledger(6, 0, Progress())
+    assert ledger.asks(2, 1, True, lambda seq: "w") == {"w": [0, 1]}
+    ledger.receive(1, "one")
+    assert ledger.skip(1) == "one" and ledger.skip(2) is None  # received: dropped; not asked yet: never
+    ledger.receive(0, "zero")
+    assert ledger.pop_ready(True) == "zero"
+    ledger.given(0, True)
+    assert ledger.asks(8, 1, True, lambda seq: "w") == {"w": [3, 4, 5]}
+    assert not ledger.is_new(2) and not ledger.finished
+    for seq, item in ((3, "three"), (4, "four"), (5, "five")):
+        ledger.receive(seq, item)
+        assert ledger.pop_ready(True) == item
+        ledger.given(seq, True)
+    assert ledger.finished
