@@ -123,8 +123,14 @@ class Epochs:
             submit.job_id, submit.job_key = lane.job_id, lane.job_key
             return jobs.submit(session.call, session.stub, submit, plan)
 
-    def plan_of(self, step: int) -> dict[int, list[int]]:
-        """The indices each consumer (rank) gets at ``step`` of the epoch in progress (or last begun)."""
+    def plan_of(self, step: int, epoch: int | None = None) -> dict[int, list[int]]:
+        """The indices each consumer (rank) gets at ``step`` of the epoch in progress (or last begun),
+        or of the one ``set_epoch(epoch)`` plans."""
+        if epoch is not None:
+            spec = self.plans.describe_epoch(epoch)
+            if not 0 <= step < samplers.num_batches(spec):
+                raise DpexConfigError(f"step {step} is not in epoch {epoch}, of {samplers.num_batches(spec)} batches")
+            return samplers.every_rank(spec, step, self.opts.consumer_index)
         current = self.resume or self.current
         if current is None:
             raise DpexConfigError("no epoch was begun yet: plan_of() reads the plan of the epoch in progress")

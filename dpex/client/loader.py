@@ -236,14 +236,14 @@ class RemoteDataLoader:
         """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
         self._epochs.plans.set_epoch(epoch)
 
-    def plan_of(self, step: int) -> dict[int, list[int]]:
+    def plan_of(self, step: int, epoch: int | None = None) -> dict[int, list[int]]:
         """The dataset indices each rank gets at batch ``step`` of the epoch in progress (or last
-        begun), by rank; computed from its description, no permutation drawn whole for a
-        ShuffleSampler or an unshuffled one; a sampler of the user's own: this rank's only.
+        begun; ``epoch``: the one ``set_epoch(epoch)`` plans, for an order that follows the epoch),
+        by rank, from its description (no permutation drawn whole for a ShuffleSampler).
 
         Raises:
-            DpexConfigError: no epoch begun yet, an IterableDataset, or ``step`` past the epoch."""
-        return self._epochs.plan_of(step)
+            DpexConfigError: no such epoch or step, an IterableDataset, a user's sampler's other ranks."""
+        return self._epochs.plan_of(step, epoch)
 
     def skip(self, steps: int | range) -> int:
         """Passes over ``steps`` (a range not given yet, or the next ``int``) of the epoch in

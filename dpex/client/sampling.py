@@ -3,14 +3,16 @@ DataLoader over indices exactly as torch.utils.data.DataLoader drives them,
 so that the same seed draws the same batches; torch's checks, with its words."""
 from __future__ import annotations
 
+import copy
 import numbers
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 import torch.utils.data as tud
 
 from dpex import seeding
 from dpex.errors import DpexConfigError
-from dpex.plan import samplers
+from dpex.plan import samplers, shuffle
 from dpex.proto import dispatcher_pb2 as dpb
 
 
@@ -234,6 +236,27 @@ class EpochPlans:
     def generator(self) -> Any:
         """The generator epochs draw from: the user's, or the one ``seed`` made (None: torch's global RNG)."""
         return self._generator if self._generator is not None else getattr(self._plan, "generator", None)
+
+    def describe_epoch(self, epoch: int) -> dpb.SamplerSpec:
+        """The description of the epoch ``set_epoch(epoch)`` plans, of a sampler whose order
+        follows the epoch alone (DistributedSampler, a seeded ShuffleSampler, a sequential one)."""
+        plan = self._plan
+        sampler = plan.sampler if plan is not None else None
+        fixed = isinstance(sampler, tud.SequentialSampler) or (
+            isinstance(sampler, (tud.DistributedSampler, shuffle.ShuffleSampler)) and hasattr(sampler, "set_epoch")
+            and (not isinstance(sampler, shuffle.ShuffleSampler) or sampler.seed is not None))
+        if not fixed or not samplers.describable(plan):
+            raise DpexConfigError("only the epoch in progress has a plan to read: this loader's order is drawn "
+                                  "anew each epoch (a RandomSampler, an unseeded or a user's sampler)")
+        other = copy.copy(sampler)
+        if hasattr(other, "set_epoch"):
+            other.set_epoch(epoch)
+        batch = plan.batch_sampler
+        view = SimpleNamespace(sampler=other, batch_sampler=None if batch is None else tud.BatchSampler(
+            other, batch.batch_size, batch.drop_last))
+        spec = samplers.describe(view)
+        spec.place_offset, spec.place_stride = self.consumer_index, self.num_consumers
+        return spec
 
     def samplers(self) -> list[tuple[str, Any]]:
         """The planning loader's samplers, by the names a state dict keeps them under."""

@@ -43,6 +43,24 @@ def test_plan_of_names_what_every_rank_gets_at_each_step(c, sampler):
             assert dl.plan_of(step) == {r: torch_ranks[r][step] for r in range(world)}
         with pytest.raises(dpex.DpexConfigError, match=f"step {len(got)} is not in epoch 0"):
             dl.plan_of(len(got))
+        # Any epoch of an order that follows set_epoch: as torch's loader plans it after set_epoch(4).
+        samplers = [make(r) for r in range(world)]
+        for s in samplers:
+            s.set_epoch(4)
+        later = [ys(DataLoader(Squares(N), batch_size=B, sampler=s)) for s in samplers]
+        assert later != torch_ranks
+        for step in range(len(got)):
+            assert dl.plan_of(step, epoch=4) == {r: later[r][step] for r in range(world)}
+
+
+def test_an_order_drawn_anew_each_epoch_has_only_the_epoch_in_progress_to_read(c):
+    with dpex.RemoteDataLoader(c.address, Squares(N), batch_size=B, shuffle=True, timeout=60) as dl:
+        it = iter(dl)
+        first = next(it)
+        assert dl.plan_of(0) == {0: first["y"].tolist()}
+        with pytest.raises(dpex.DpexConfigError, match="only the epoch in progress has a plan to read"):
+            dl.plan_of(0, epoch=3)
+        del it
 
 
 def test_skipped_steps_are_never_given_and_stay_skipped_through_a_resume(c):
