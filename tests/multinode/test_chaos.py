@@ -12,8 +12,10 @@ pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and ip
 
 @pytest.mark.timeout(600)
 def test_a_job_on_hosts_of_their_own_through_faults_and_cut_links_trains_on_the_same_samples():
-    report = run_chaos(seed=7000, events=8, hosts=True)  # seed 7000 draws cut_worker twice
-    assert report.events["cut_worker"] == 2, str(report)
+    # Seed 7000 draws cut_worker twice among its eight events; how many of them come before the
+    # run's last step depends on the machine's speed (a loaded one gave 7): at least the first.
+    report = run_chaos(seed=7000, events=8, hosts=True)
+    assert report.events["cut_worker"] >= 1, str(report)
     assert not report.failures, "\n".join(report.failures)
     assert report.lost == report.duplicated == report.unequal == 0 and report.samples == 3 * 96, str(report)
     assert report.stall_s < 60, str(report)
