@@ -528,3 +528,33 @@ class SlowCopy(Squares):
         import time
         time.sleep(float(os.environ.get(self.var, "0")))
         return super().__getitem__(i)
+
+
+class Tokens(Dataset):
+    """Variable-length "text": sample i is ``lengths[i]`` tokens (drawn from i, below ``vocab``)."""
+
+    def __init__(self, lengths: list[int], vocab: int = 1000) -> None:
+        self.lengths, self.vocab = list(lengths), vocab
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        return {"i": i, "tokens": torch.randint(1, self.vocab, (self.lengths[i],), generator=g)}
+
+
+def pad_tokens(samples: list) -> dict:
+    """Pads a batch of Tokens' samples to its longest (0: padding)."""
+    longest = max(len(s["tokens"]) for s in samples)
+    tokens = torch.zeros(len(samples), longest, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        tokens[row, :len(s["tokens"])] = s["tokens"]
+    return {"i": torch.tensor([s["i"] for s in samples]), "tokens": tokens}
+
+
+def heavy_tailed_lengths(n: int, seed: int = 0, cap: int = 512) -> list[int]:
+    """Sequence lengths as real corpora have them: lognormal, a long tail, capped."""
+    import numpy as np
+    lengths = np.random.Generator(np.random.PCG64(seed)).lognormal(4.0, 0.9, n)
+    return [int(x) for x in np.clip(lengths, 4, cap)]
