@@ -79,7 +79,7 @@ ACCELERATE_REBUILDS = (
     "accelerator.prepare (README: 'With Accelerate').")
 
 
-_DPEX_ONLY = ("reproducible", "share", "cache", "even_batches")  # DpexDataLoader's arguments that torch's lacks
+_DPEX_ONLY = ("reproducible", "share", "cache", "even_batches", "lengths")  # DpexDataLoader's arguments that torch's lacks
 
 
 class DpexDataLoader(DataLoader[_T_co]):
@@ -114,9 +114,9 @@ class DpexDataLoader(DataLoader[_T_co]):
     equal definition make each batch once; ``cache`` ("memory" or "disk"):
     the workers keep the samples across epochs (see ``RemoteDataLoader``);
     ``even_batches`` (as Accelerate's; "shortest" or "longest"): every DDP rank
-    the same number of batches (see ``RemoteDataLoader``). With
-    ``distribute_mode=False`` these four, Dpex's own, are dropped: the loader
-    is torch's, which has none of them.
+    the same number of batches; ``lengths``: coordinated reads (see
+    ``RemoteDataLoader``). With ``distribute_mode=False`` these five, Dpex's
+    own, are dropped: the loader is torch's, which has none of them.
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -136,7 +136,8 @@ class DpexDataLoader(DataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  in_order: bool = True, pin_memory_device: str = "", reproducible: bool = True,
-                 share: bool = True, cache: str | None = None, even_batches: bool | str | None = False) -> None:
+                 share: bool = True, cache: str | None = None, even_batches: bool | str | None = False,
+                 lengths: Any = None) -> None:
         # Every argument as given, for a rebuild from the instance (Lightning reads the attributes named as
         # __init__'s parameters) and for pickling (a spawned rank builds its own loader from them).
         self._init_args = dict(
@@ -146,7 +147,7 @@ class DpexDataLoader(DataLoader[_T_co]):
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
             pin_memory_device=pin_memory_device, reproducible=reproducible, share=share, cache=cache,
-            even_batches=even_batches)
+            even_batches=even_batches, lengths=lengths)
         # torch reorders only across its worker processes: with one or none, in_order=False yields in order.
         common = dict(drop_last=drop_last, collate_fn=collate_fn, ordered=in_order or num_workers <= 1,
                       timeout=timeout or None,
@@ -156,7 +157,7 @@ class DpexDataLoader(DataLoader[_T_co]):
                       processes=max(1, num_workers),
                       shard=False,  # as torch's DataLoader: only a sampler the user gives shards under DDP
                       multiprocessing_context=multiprocessing_context, reproducible=reproducible, share=share,
-                      cache=cache, even_batches=even_batches, **({"prefetch_factor": prefetch_factor} if prefetch_factor else {}))
+                      cache=cache, even_batches=even_batches, lengths=lengths, **({"prefetch_factor": prefetch_factor} if prefetch_factor else {}))
         address = "auto" if head_address is None else head_address
         torch_args = dict(batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                           num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.utils.data as tud
 
@@ -18,7 +18,7 @@ from dpex.client.distributed import current_run
 from dpex.client.epoch import Epochs
 from dpex.client.options import LoaderOptions
 from dpex.client.pinning import PinnedFrames, pin_target
-from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling
+from dpex.client.sampling import EpochPlans, check_iterable_args, check_sampling, coordinated
 from dpex.client.session import Session
 from dpex.client.stats import LoaderStats, StatsMeter
 from dpex.auth import load_ca, load_token
@@ -121,6 +121,7 @@ class RemoteDataLoader:
     data yields: ``"shortest"`` stops all at the fewest (``stats().batches_dropped``),
     ``"longest"`` (``True``, as Accelerate's) repeats a short rank's first batch
     (``stats().batches_repeated``); False, torch's counts and a warning (dpex.plan.even).
+    ``lengths`` (per sample, or a function of one): coordinated reads (dpex.BucketBatchSampler).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -137,8 +138,8 @@ class RemoteDataLoader:
                  compression: str | None = _O.compression, pin_memory_device: str = _O.pin_memory_device,
                  shard: bool = _O.shard, compact_plans: bool = _O.compact_plans, multiprocessing_context: Any = None,
                  reproducible: bool = _O.reproducible, share: bool = _O.share, cache: str | None = _O.cache,
-                 prefetch_factor: int = _O.prefetch_factor,
-                 even_batches: bool | str | None = _O.even_batches) -> None:
+                 prefetch_factor: int = _O.prefetch_factor, even_batches: bool | str | None = _O.even_batches,
+                 lengths: Sequence[int] | Callable[[Any], int] | None = None) -> None:
         self._init_args = {name: value for name, value in locals().items() if name != "self"}  # see __reduce__
         check_usable()
         if dataset is None:
@@ -161,6 +162,8 @@ class RemoteDataLoader:
             auth_token=auth_token, tls_ca=tls_ca, start_method=_start_method(multiprocessing_context),
             share=bool(share), cache=cache,
             prefetch_factor=prefetch_factor, even_batches=even_batches)
+        if lengths is not None:  # coordinated reads: a step's batches across the ranks of like lengths
+            batch_size, drop_last, batch_sampler = 1, False, coordinated(lengths, dataset, opts, sampler, batch_sampler)
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,
@@ -188,8 +191,7 @@ class RemoteDataLoader:
                 from dpex.launch.local import START_TIMEOUT_S
                 session.cluster = embedded(opts.processes or os.cpu_count() or 1, token, opts.start_method)
                 session.target = "the embedded dispatcher"
-                # Ours, and serving once it said so: no wrong address to fail fast on, and its owner reports
-                # a daemon's death. On a loaded machine its first answers (and worker) may take a while.
+                # Ours (its owner reports a daemon's death); on a loaded machine it may take a while to answer.
                 session.first_contact_s = max(session.first_contact_s, START_TIMEOUT_S)
             session.job_request = dpb.GetOrCreateJobRequest(job=job, settings_only=derived_name)
             if not (self.embedded and self._instance is not None):  # else at the first iter()

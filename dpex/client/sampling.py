@@ -168,6 +168,22 @@ class EpochDraw:
             self.drawn += 1
 
 
+def coordinated(lengths: Any, dataset: Any, opts: Any, sampler: Any, batch_sampler: Any) -> Any:
+    """The batch sampler of coordinated reads (dpex.plan.buckets) for this consumer of the job:
+    ``lengths`` a length per sample, or a function of a sample (evaluated here, on the trainer)."""
+    from dpex.plan.buckets import BucketBatchSampler
+    if sampler is not None or batch_sampler is not None or opts.batch_size is None:
+        raise DpexConfigError("lengths= (coordinated reads) plans the batches itself: give batch_size, "
+                              "not a sampler or batch_sampler")
+    if callable(lengths):
+        if not isinstance(dataset, tud.Dataset) or isinstance(dataset, tud.IterableDataset):
+            raise DpexConfigError("lengths as a function needs a map-style dataset here, in the trainer; "
+                                  "give a length per sample for one built on the workers")
+        lengths = [lengths(dataset[i]) for i in range(len(dataset))]
+    return BucketBatchSampler(lengths, opts.batch_size, num_replicas=opts.num_consumers, rank=opts.consumer_index,
+                              seed=opts.seed or 0, drop_last=opts.drop_last)
+
+
 class EpochPlans:
     """Draws a loader's epochs, one per :meth:`begin` as torch's ``iter()``.
 

@@ -4,6 +4,7 @@ batches of like length; with random draws, bitwise the same on one worker as on 
 import threading
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -47,3 +48,25 @@ def test_ranks_get_torchs_batches_of_like_length_and_the_same_draws_on_any_numbe
         steps = np.array(ranks)  # (rank, step, sample)
         spread = [np.ptp(np.array(lengths)[steps[:, k]]) for k in range(steps.shape[1])]
         assert np.median(spread) < 0.25 * np.ptp(lengths)  # a step's batches from one length bucket
+
+
+def test_lengths_plan_coordinated_reads_for_each_rank_of_the_job():
+    """RemoteDataLoader(lengths=...) is BucketBatchSampler for its consumer of the job (seed: the loader's);
+    lengths as a function of a sample are read here, on the trainer."""
+    lengths = heavy_tailed_lengths(N)
+    with test_cluster(num_workers=2) as c:
+        got = {}
+
+        def rank(r, given):
+            with dpex.RemoteDataLoader(c.address, Augmented(N), batch_size=B, lengths=given, seed=5, num_consumers=2,
+                                       consumer_index=r, job_name=f"coordinated {callable(given)}", timeout=60) as dl:
+                got[r, callable(given)] = [b["i"].tolist() for b in dl]
+        threads = [threading.Thread(target=rank, args=(r, given)) for r in range(2)
+                   for given in (lengths, lambda sample: lengths[sample["i"]])]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    for r in range(2):
+        want = list(dpex.BucketBatchSampler(lengths, B, num_replicas=2, rank=r, seed=5))
+        assert got[r, False] == got[r, True] == want
+    with pytest.raises(dpex.DpexConfigError, match="plans the batches itself"):
+        dpex.RemoteDataLoader(c.address, Augmented(N), batch_size=B, lengths=lengths, sampler=range(N))
