@@ -260,15 +260,19 @@ class Held:
         if runner is None:
             return None
         split = runner.split
+        # Only what is still this runner's: a split that replaced it (its epoch begun again, the same
+        # keys) may have been added before this one was released.
         if split.num_streams:
             group = EpochKey(split.job_id, split.consumer_index, split.epoch)
             by_stream = self._streams.get(group, (0, {}))[1]
-            by_stream.pop(split.first_seq, None)
+            if by_stream.get(split.first_seq) is runner:
+                del by_stream[split.first_seq]
             if not by_stream:
                 self._streams.pop(group, None)
         else:
             for key in runner.keys:
-                self._by_key.pop(key, None)
+                if self._by_key.get(key) is runner:
+                    del self._by_key[key]
         return runner
 
     def find(self, key: Key) -> SplitRunner | None:

@@ -136,8 +136,8 @@ class Scheduler:
             for runner in released:
                 runner.release()
                 queue = self._queues.get(runner.consumer)
-                if queue is not None and runner.pooled:
-                    queue.todo.difference_update(runner.keys)
+                if queue is not None and runner.pooled:  # but a successor's of the same keys (dpex.worker.runners.Held)
+                    queue.todo.difference_update(k for k in runner.keys if self._held.find(k) is None)
             for consumer in {runner.consumer for runner in released}:
                 self._forget_if_unused(consumer)
             if self.shared is not None:

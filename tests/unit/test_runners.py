@@ -105,3 +105,26 @@ def test_what_a_held_split_keeps_of_the_pools_capacity(case):
     expected = 3 if case.pooled_batches else 4
     assert case.scheduler.free_capacity(4, record=False) == (expected, [])
     assert case.scheduler._held.get(1).unproduced() == case.pooled_batches
+
+
+@pytest.mark.parametrize("streams", [0, 2], ids=["map split", "stream"])
+def test_a_split_released_after_its_successor_came_leaves_the_successor_found(streams):
+    """An epoch begun again: the new plan's split (the same batch keys) may reach the worker before the
+    old one's release; releasing the old one forgot the new one's keys, and the epoch stalled (issue 58)."""
+    from types import SimpleNamespace
+
+    from dpex.worker.runners import Held
+
+    def runner(split_id):
+        split = dpb.Split(split_id=split_id, job_id=9, consumer_index=0, epoch=0, first_seq=1 if streams else 0,
+                          num_streams=streams)
+        keys = [] if streams else [Key(0, seq, 0, 9) for seq in range(4)]
+        return SimpleNamespace(split=split, keys=keys, pooled=not streams)
+    held = Held()
+    old, new = runner(1), runner(2)
+    held.add(old)
+    held.add(new)
+    assert held.pop(1) is old
+    key = Key(0, 3, 0, 9)  # stream 1 of 2, or a map split's batch 3
+    assert held.find(key) is new and held.holds(new) and not held.holds(old)
+    assert held.pop(2) is new and held.find(key) is None

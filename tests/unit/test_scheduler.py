@@ -274,3 +274,17 @@ def test_a_split_replaced_while_its_batches_are_made_has_them_made_again_for_its
         assert sorted(seqs(got)) == [0, 1, 2] and not any(parse_frame(f)[0].not_assigned for f in got)
     finally:
         scheduler.close()
+
+
+def test_a_successor_that_came_before_the_old_splits_release_keeps_its_batches(scheduler, pool):
+    """The new plan's split (the same keys) reached the worker before the old one's release: releasing the
+    old one dropped the successor's keys from the index and the queue (issue 58)."""
+    scheduler.add_split(split(split_id=1, n=4))
+    scheduler.add_split(split(split_id=2, n=4))
+    scheduler.release([1])
+    got = []
+    for seq in range(4):
+        scheduler.request(key(seq), got.append)
+    drive(pool, lambda: len(got) == 4, "the successor's four batches")
+    assert sorted(seqs(got)) == [0, 1, 2, 3] and not any(parse_frame(f)[0].not_assigned for f in got)
+    assert scheduler.held_split_ids() == [2]
