@@ -305,12 +305,22 @@ def _train(cluster: Any, job: Job, ranks: int, root: str, rng: random.Random | N
     return trained
 
 
+def _room(undo: list) -> None:
+    """Gives a full journal disk room now, before a worker is started and waited for: it must
+    register (journaled), and the loop that would end the full disk waits for it (found by seed 4016:
+    the new worker gave up after its 30 s connect timeout and the run failed)."""
+    for u in [u for u in undo if u.disk]:
+        u.action()
+        undo.remove(u)
+
+
 @dataclass
 class _Undo:
     """How a fault ends: ``action`` at ``when`` (monotonic); ``daemon``: the one it holds stopped."""
     when: float
     action: Callable[[], None]
     daemon: Any = None
+    disk: bool = False  # it gives the journal's disk room again
 
 
 def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_Undo],
@@ -323,6 +333,7 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
     kind = kinds.choice(EVENTS + (("full_disk",) if journal_dir else ()) + (("cut_worker",) if _on_hosts(cluster)
                                                                              else ()))
     if kind in ("kill_worker", "freeze_worker", "stop_worker", "cut_worker") and len(serving) < 2:
+        _room(undo)
         cluster.add_workers(1)  # one worker keeps serving
         serving.append(len(cluster.workers) - 1)
     if kind == "kill_worker":
@@ -341,7 +352,7 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
                           lambda: cluster.hosts.heal(daemon.node), daemon))
     elif kind == "full_disk":  # the journal's writes fail until the filler goes
         filler = fill(journal_dir)
-        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), lambda: os.unlink(filler)))
+        undo.append(_Undo(time.monotonic() + rng.uniform(0.5, 3.0), lambda: os.unlink(filler), disk=True))
     elif kind == "kill_batch_process":
         children = descendants(cluster.workers[rng.choice(serving)].process.pid)
         if children:
@@ -354,6 +365,7 @@ def _fault(rng: random.Random, kinds: random.Random, cluster: Any, undo: list[_U
     elif kind == "term_dispatcher":
         cluster.restart_dispatcher(signal.SIGTERM)
     elif kind == "add_worker":
+        _room(undo)
         cluster.add_workers(1)
     return kind
 
