@@ -89,11 +89,13 @@ if __name__ == "__main__":
 
 def test_torchrun_with_the_dataset_in_the_script(tmp_path):
     body = MAP + """
-import os
+import sys
 import torch.distributed as dist
 dist.init_process_group("gloo")
 loader = DataLoader(Squares(), batch_size=5, num_workers=1)  # no sampler: every rank reads it all, as torch
-print(dist.get_rank(), [b.tolist() for b in loader], flush=True)
+# One write per line: under PYTHONUNBUFFERED a print's pieces are separate writes, and two ranks' lines interleave.
+sys.stdout.write(f"{dist.get_rank()} {[b.tolist() for b in loader]}\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 """
     out = []
