@@ -88,7 +88,7 @@ class Epochs:
             meter=self.meter, leave=session.releaser(lane.job_id, lane.job_key, epoch, attempt), progress=progress,
             report=session.report, health=session.health if session.embedded else None,
             no_worker_s=session.first_contact_s if self.opts.timeout_s is None else None,
-            num_consumers=self.opts.num_consumers, even_batches=self.opts.even_batches)
+            num_consumers=self.opts.num_consumers, even_batches=self.opts.even_batches, attempt=attempt)
         self.current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                   progress, streams, resume.reshard if resume is not None else None, draw=draw)
         self.fetcher = weakref.ref(fetcher)

@@ -107,11 +107,11 @@ class Control:
 
     def __init__(self, stub: Any, target: str, key: EpochKey,
                  results: queue.SimpleQueue, retry_for_s: float, outage: Outage | None = None,
-                 meter: StatsMeter | None = None, client_id: int = 0, job_key: bytes = b"") -> None:
+                 meter: StatsMeter | None = None, client_id: int = 0, job_key: bytes = b"", attempt: int = 0) -> None:
         self._stub, self._target = stub, target
         self._meter = meter or StatsMeter()  # the trainer's measured need and wait, reported with each sync
         self._need = self._meter.recent_need
-        self._names = dict(key._asdict(), job_key=job_key, client_id=client_id)
+        self._names = dict(key._asdict(), job_key=job_key, client_id=client_id, attempt=attempt)
         self.key = key
         self._results = results
         self._retry_for_s, self._outage = retry_for_s, outage
@@ -372,7 +372,8 @@ class EpochFetcher:
                  meter: StatsMeter | None = None, leave: Callable[[bool], None] | None = None,
                  progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
                  client_id: int = 0, health: Callable[[], BaseException | None] | None = None,
-                 no_worker_s: float | None = None, num_consumers: int = 1, even_batches: str | None = None) -> None:
+                 no_worker_s: float | None = None, num_consumers: int = 1, even_batches: str | None = None,
+                 attempt: int = 0) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
         ``leave(wait)`` tells the dispatcher the epoch was left unfinished
@@ -381,7 +382,8 @@ class EpochFetcher:
         gone is marked lost at once, not at its heartbeat timeout).
         ``progress``: the batches the loop was given (it records them); a
         resumed epoch starts with those of its checkpoint, never fetched again.
-        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims);
+        ``client_id``: the loader's, which holds the consumer (dpex.dispatcher.claims); ``attempt``: the
+        iter()'s that submitted the plan, said with each sync;
         ``job_key``: the job's (dpex.keys), sent with every call on it.
         ``health()``: why the loader's own cluster can serve no more, raised as
         the epoch's error (None: it can); ``no_worker_s``: how long the
@@ -414,7 +416,7 @@ class EpochFetcher:
         self._even_ended = False  # the rule ended the epoch before this consumer's own end
         streams.start_epoch(self.key)  # before the control thread, whose news must find it begun
         self._control = Control(stub, target, self.key, self._results, retry_for_s, outage,
-                                self._meter, client_id, job_key)
+                                self._meter, client_id, job_key, attempt)
         self._control.next_seq = self._ledger.low
         self._control.count = self._own()
         self._exit = _Exit(self._control, leave, streams, self.key, client_id, self)

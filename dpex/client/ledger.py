@@ -75,6 +75,9 @@ class Ledger(Generic[T]):
         room = window - outstanding >= group
         asks: dict[str, list[int]] = {}
         for seq in sorted(self.retry):
+            if self.delivered.passed(seq):  # came meanwhile (another request's answer): not asked again
+                self.retry.discard(seq)
+                continue
             address = route(seq)
             if address is not None and (outstanding < window or seq == urgent):
                 self.retry.discard(seq)
@@ -82,7 +85,9 @@ class Ledger(Generic[T]):
                 outstanding += 1
         limit = self.limit()
         while (limit is None or self.cursor < limit) and ((room and outstanding < window) or self.cursor == urgent):
-            if not self.exists(self.cursor) or self.cursor in self.resumed:
+            # Passed over: not of the epoch, given before a checkpoint, or received unasked (answering
+            # a request of the iterator this one replaced; its split may be gone, with no owner to ask).
+            if not self.exists(self.cursor) or self.cursor in self.resumed or self.delivered.passed(self.cursor):
                 self.cursor += 1
                 continue
             address = route(self.cursor)

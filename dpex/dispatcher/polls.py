@@ -80,6 +80,10 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
             raise DpexNotFoundError(
                 f"job {request.job_id} has no plan for consumer {request.consumer_index} "
                 f"epoch {request.epoch} (another trainer may have replaced it)")
+        if request.attempt and plan.attempt and request.attempt != plan.attempt:
+            # A left iterator's late sync (its last acks, sent as it closed): they are not the plan that
+            # replaced it, which has not given those batches. Nothing is marked or asked.
+            return dpb.SyncConsumerResponse()
         core.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
                            request.batches_per_s, request.verdict if request.HasField("verdict") else None)
         consumers = job.definition.num_consumers

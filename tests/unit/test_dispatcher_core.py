@@ -112,6 +112,28 @@ def test_an_epoch_begun_again_is_a_plan_of_its_own_which_the_earlier_attempts_re
     assert 0 not in again.state.jobs[job_id].plans
 
 
+def test_a_left_iterators_late_sync_marks_nothing_of_the_plan_that_replaced_it(make_core):
+    """The resume race's fifth cause (issue 58): the left iterator's last sync (its acks, sent as it
+    closed) reached the dispatcher after the same epoch's new plan and marked that plan's batches
+    delivered, which its own iterator had not had: their split was done, with no owner to ask."""
+    core = make_core()
+    worker = core.register_worker(dpb.RegisterWorkerRequest(versions=versions(), address="10.0.0.2:7071"),
+                                  LOCAL).worker_id
+    job_id = job(core, "again")
+    key = job_key(core, job_id)
+    plan(core, job_id, 6, attempt=1)
+    plan(core, job_id, 6, attempt=2)
+    heartbeat(core, worker)
+
+    def sync(attempt, seqs):
+        return asyncio.run(core.sync_consumer(dpb.SyncConsumerRequest(
+            job_id=job_id, job_key=key, epoch=0, client_id=1, attempt=attempt, delivered_seqs=seqs), LOCAL))
+    assert not sync(1, [0, 1, 2, 3]).owners  # the left one's: nothing marked, no owners named
+    assert core.state.jobs[job_id].plans[0].num_delivered == 0
+    assert {o.first_seq for o in sync(2, [0]).owners} == {0, 2, 4}
+    assert core.state.jobs[job_id].plans[0].num_delivered == 1
+
+
 def test_a_worker_of_another_protocol_is_refused_naming_both_versions(make_core):
     core = make_core()
     other = dpb.Versions(dpex="0.0.9", protocol=0, torch="2.13.0", python="3.11.7")

@@ -128,3 +128,17 @@ def test_skipped_batches_are_never_asked_for_never_given_and_count_as_given():
         assert ledger.pop_ready(True) == item
         ledger.given(seq, True)
     assert ledger.finished
+
+
+def test_a_batch_received_unasked_is_passed_over_though_nobody_owns_it_now():
+    """The resume race's fourth cause (issue 58): the iterator this one replaced asked for 4..7 of a
+    worker; its answers came to this one (the same epoch's keys), whose split of 4..7 was then done,
+    with no owner to name. The cursor stopped at 7 (no route) and 8.. were never asked for."""
+    ledger = Ledger(12, 0, Progress())
+    owned = lambda seq: None if 4 <= seq < 8 else A  # noqa: E731 - the dispatcher names no owner of a split done
+    assert ledger.asks(12, 1, True, owned) == {A: [0, 1, 2, 3]}
+    for seq in range(8):  # 4..7 unasked, answering the left iterator's requests
+        ledger.receive(seq, seq)
+    ledger.retry.add(5)  # and one asked again meanwhile (its first answer "not assigned")
+    assert ledger.asks(12, 1, True, owned) == {A: [8, 9, 10, 11]}
+    assert ledger.retry == set()
