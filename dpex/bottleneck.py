@@ -10,7 +10,8 @@ reason in words, the first that holds of:
 - ``none``: the trainer hardly waits (at most 10 % of the time): its own step
   is the limit, more workers buy nothing;
 - ``straggler``: one worker makes its batches much slower than its peers (2x
-  their median), and the trainer, which takes batches in order, waits for it;
+  their median, not counting the time its processes waited for a core), and
+  the trainer, which takes batches in order, waits for it;
 - ``network``: reading frames off the workers' data sockets takes half the
   time between batches or more;
 - ``trainer``: decoding and pinning on the trainer take half the time it
@@ -44,7 +45,8 @@ class Figures:
     epochs), ``wait_s`` of it blocked in ``next()``; ``stages``: mean seconds
     per batch by stage (the batch process's, as ``LoaderStats.stages`` names
     them, and the trainer's ``receive``, ``decode``, ``pin``); ``per_worker``:
-    the mean seconds a batch took in its batch process, by worker address."""
+    the mean seconds a batch took in its batch process, less the time it waited
+    for a core, by worker address."""
     batches: int
     elapsed_s: float
     wait_s: float
