@@ -3,9 +3,11 @@ corpora), 4 ranks under torchrun (gloo, CPU), a small transformer whose step cos
 with the padded length, fed by Dpex two ways with the same batch size: DistributedSampler
 (each rank's batch padded to its longest; a DDP step waits for the slowest rank) and
 ``dpex.BucketBatchSampler`` (each step's batches across the ranks from one length bucket).
-Alternating rounds, one cluster.
+With ``--iterable``, the same text as an IterableDataset each rank reads its shard of
+(``TokenStream``), fed two ways: as it streams, and bucketed on the fly in the streams
+(``RemoteDataLoader(lengths=fn)``, dpex.BucketedIterable). Alternating rounds, one cluster.
 
-    .venv/bin/python benchmarks/coordinated.py [--rounds 2] [--samples 2048] [--ranks 4]
+    .venv/bin/python benchmarks/coordinated.py [--rounds 2] [--samples 2048] [--ranks 4] [--iterable]
 
 Prints per round and as medians: seconds per step, padded tokens per step (the longest
 rank's batch, as the step waits for it) and the share of padding; every sample once per
@@ -30,7 +32,7 @@ import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 import dpex
-from dpex.testing.datasets import Tokens, heavy_tailed_lengths, pad_tokens
+from dpex.testing.datasets import TokenStream, Tokens, heavy_tailed_lengths, pad_tokens
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -40,6 +42,10 @@ lengths = heavy_tailed_lengths(samples)
 dataset = Tokens(lengths)
 if mode == "coordinated":
     kw = dict(batch_sampler=dpex.BucketBatchSampler(lengths, batch, num_replicas=world, rank=rank, seed=1))
+elif mode == "stream":
+    dataset, kw = TokenStream(lengths), dict(batch_size=batch)
+elif mode == "bucketed":
+    dataset, kw = TokenStream(lengths), dict(batch_size=batch, lengths=lambda s: len(s["tokens"]), seed=1)
 else:
     kw = dict(batch_size=batch, sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, seed=1))
 
@@ -93,6 +99,8 @@ def run(address: str, mode: str, samples: int, batch: int, ranks: int, tmp: str)
     per_rank = [json.load(open(f"{out}.{r}")) for r in range(ranks)]
     seen = sorted(i for r in per_rank for i in r["seen"])
     assert set(seen) == set(range(samples)), "every sample once per epoch (padding repeats a few)"
+    if mode in ("stream", "bucketed"):
+        assert seen == list(range(samples)), "every sample exactly once"
     n = len(per_rank[0]["steps"])
     step_s = [max(r["steps"][k] for r in per_rank) for k in range(n)][2:]  # a step lasts as its slowest rank
     longest = [max(r["padded"][k] for r in per_rank) for k in range(n)]
@@ -108,21 +116,24 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--iterable", action="store_true", help="an IterableDataset, bucketed on the fly")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {"distributed": [], "coordinated": []}
+    modes = ("stream", "bucketed") if args.iterable else ("distributed", "coordinated")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"{args.samples} samples of heavy-tailed lengths, batches of {args.batch}, {args.ranks} ranks (gloo)")
     print(f"{'round':>5}  {'plan':<12} {'steps':>5}  {'s/step':>7}  {'epoch s':>7}  {'longest tokens':>14}  {'padding':>7}")
     with test_cluster(num_workers=2) as c, tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in ("distributed", "coordinated") if r % 2 == 0 else ("coordinated", "distributed"):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
                 got = run(c.address, mode, args.samples, args.batch, args.ranks, tmp)
                 results[mode].append(got)
                 print(f"{r:>5}  {mode:<12} {got['steps']:>5}  {got['step_s']:>7.4f}  {got['epoch_s']:>7.2f}  "
                       f"{got['longest']:>14.0f}  {100 * got['padding']:>6.1f}%")
     med = {m: {k: statistics.median(x[k] for x in rs) for k in ("step_s", "epoch_s", "longest", "padding")}
            for m, rs in results.items()}
-    d, c_ = med["distributed"], med["coordinated"]
-    print(f"medians: DistributedSampler {d['step_s']:.4f} s/step, {100 * d['padding']:.1f}% padding; coordinated "
+    d, c_ = med[modes[0]], med[modes[1]]
+    print(f"medians: {'DistributedSampler' if modes[0] == 'distributed' else 'as it streams'} {d['step_s']:.4f} "
+          f"s/step, {100 * d['padding']:.1f}% padding; {modes[1]} "
           f"{c_['step_s']:.4f} s/step, {100 * c_['padding']:.1f}% padding: steps {d['step_s'] / c_['step_s']:.2f}x "
           f"faster, the epoch {d['epoch_s'] / c_['epoch_s']:.2f}x, padded tokens per step "
           f"{d['longest'] / c_['longest']:.2f}x fewer")

@@ -25,6 +25,7 @@ _EXPORTS = {
     "DatasetSpec": "dpex.dataset",
     "ShuffleSampler": "dpex.plan.shuffle",
     "BucketBatchSampler": "dpex.plan.buckets",
+    "BucketedIterable": "dpex.plan.buckets",
     "sample_seed": "dpex.seeding",
     "sample_generator": "dpex.seeding",
     **{name: "dpex.errors" for name in (
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from dpex.launch.local import LocalCluster
     from dpex.dataset import DatasetSpec
     from dpex.plan.shuffle import ShuffleSampler
-    from dpex.plan.buckets import BucketBatchSampler
+    from dpex.plan.buckets import BucketBatchSampler, BucketedIterable
     from dpex.seeding import sample_generator, sample_seed
     from dpex.errors import (DpexAuthError, DpexCancelledError, DpexConfigError, DpexConflictError,
                              DpexConnectionError, DpexError, DpexNotFoundError, DpexTimeoutError,

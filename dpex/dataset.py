@@ -81,7 +81,10 @@ def resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
 def describe_dataset(dataset: Any) -> tuple[int, str]:
     """(len(dataset), or -1 without one; the dataset's own ``fingerprint``
     attribute or method, or ""): what every worker's copy must agree on."""
-    length = len(dataset) if hasattr(dataset, "__len__") else -1
+    try:
+        length = len(dataset)
+    except TypeError:  # none, or a wrapper's of a dataset without one
+        length = -1
     fingerprint = getattr(dataset, "fingerprint", "")
     fingerprint = fingerprint() if callable(fingerprint) else fingerprint
     return length, str(fingerprint or "")

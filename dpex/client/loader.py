@@ -121,7 +121,7 @@ class RemoteDataLoader:
     data yields: ``"shortest"`` stops all at the fewest (``stats().batches_dropped``),
     ``"longest"`` (``True``, as Accelerate's) repeats a short rank's first batch
     (``stats().batches_repeated``); False, torch's counts and a warning (dpex.plan.even).
-    ``lengths`` (per sample, or a function of one): coordinated reads (dpex.BucketBatchSampler).
+    ``lengths`` (per sample, or a function of one): coordinated reads (dpex.BucketBatchSampler, dpex.BucketedIterable).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -163,7 +163,7 @@ class RemoteDataLoader:
             share=bool(share), cache=cache,
             prefetch_factor=prefetch_factor, even_batches=even_batches)
         if lengths is not None:  # coordinated reads: a step's batches across the ranks of like lengths
-            batch_size, drop_last, batch_sampler = 1, False, coordinated(lengths, dataset, opts, sampler, batch_sampler)
+            dataset, batch_size, drop_last, batch_sampler = coordinated(lengths, dataset, opts, sampler, batch_sampler)
         if isinstance(dataset, tud.IterableDataset):
             check_iterable_args(shuffle, sampler, batch_sampler)
         check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last, generator, collate_fn,

@@ -168,20 +168,29 @@ class EpochDraw:
             self.drawn += 1
 
 
-def coordinated(lengths: Any, dataset: Any, opts: Any, sampler: Any, batch_sampler: Any) -> Any:
-    """The batch sampler of coordinated reads (dpex.plan.buckets) for this consumer of the job:
-    ``lengths`` a length per sample, or a function of a sample (evaluated here, on the trainer)."""
-    from dpex.plan.buckets import BucketBatchSampler
+def coordinated(lengths: Any, dataset: Any, opts: Any, sampler: Any, batch_sampler: Any) -> tuple:
+    """Coordinated reads for this consumer of the job: (dataset, batch_size, drop_last, batch_sampler).
+    A map-style dataset gets a batch sampler (dpex.plan.buckets), ``lengths`` a length per sample
+    or a function of a sample (evaluated here, on the trainer); an IterableDataset is bucketed on the
+    fly in its streams by the function ``lengths`` (dpex.BucketedIterable)."""
+    from dpex.plan.buckets import BucketBatchSampler, BucketedIterable
+    if isinstance(dataset, tud.IterableDataset):
+        if not callable(lengths) or opts.batch_size is None:
+            raise DpexConfigError("lengths= with an IterableDataset: give a function of a sample (its length), "
+                                  "and a batch_size")
+        bucketed = BucketedIterable(dataset, lengths, opts.batch_size, seed=opts.seed or 0)
+        return bucketed, opts.batch_size, opts.drop_last, batch_sampler
     if sampler is not None or batch_sampler is not None or opts.batch_size is None:
         raise DpexConfigError("lengths= (coordinated reads) plans the batches itself: give batch_size, "
                               "not a sampler or batch_sampler")
     if callable(lengths):
-        if not isinstance(dataset, tud.Dataset) or isinstance(dataset, tud.IterableDataset):
-            raise DpexConfigError("lengths as a function needs a map-style dataset here, in the trainer; "
-                                  "give a length per sample for one built on the workers")
+        if not isinstance(dataset, tud.Dataset):
+            raise DpexConfigError("lengths as a function needs the dataset here, in the trainer; give a length "
+                                  "per sample for one built on the workers, or build dpex.BucketedIterable there")
         lengths = [lengths(dataset[i]) for i in range(len(dataset))]
-    return BucketBatchSampler(lengths, opts.batch_size, num_replicas=opts.num_consumers, rank=opts.consumer_index,
-                              seed=opts.seed or 0, drop_last=opts.drop_last)
+    return dataset, 1, False, BucketBatchSampler(lengths, opts.batch_size, num_replicas=opts.num_consumers,
+                                                 rank=opts.consumer_index, seed=opts.seed or 0,
+                                                 drop_last=opts.drop_last)
 
 
 class EpochPlans:

@@ -544,13 +544,52 @@ class Tokens(Dataset):
         return {"i": i, "tokens": torch.randint(1, self.vocab, (self.lengths[i],), generator=g)}
 
 
+class TokenStream(torch.utils.data.IterableDataset):
+    """Tokens as a stream: rank r of R (``RANK``/``WORLD_SIZE``, as a torch worker sees them under
+    torchrun) reads samples r, r + R, ... of ``lengths``, split among its streams as torch's workers
+    split (every N-th). Each sample draws ``noise`` from torch's global generator."""
+
+    def __init__(self, lengths: list[int], vocab: int = 1000) -> None:
+        self.lengths, self.vocab, self.start = list(lengths), vocab, 0
+
+    def __iter__(self):
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        info = torch.utils.data.get_worker_info()
+        k, n = (0, 1) if info is None else (info.id, info.num_workers)
+        mine = range(rank, len(self.lengths), world)[k::n]
+        for j in range(self.start, len(mine)):
+            self.pos = j + 1
+            i = mine[j]
+            g = torch.Generator().manual_seed(i)
+            yield {"i": i, "tokens": torch.randint(1, self.vocab, (self.lengths[i],), generator=g),
+                   "noise": torch.rand(())}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class StatefulTokenStream(TokenStream):
+    """TokenStream with torchdata's state_dict: a resumed stream goes on from where it was."""
+
+    pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = self.pos = state["pos"]
+
+
 def pad_tokens(samples: list) -> dict:
     """Pads a batch of Tokens' samples to its longest (0: padding)."""
     longest = max(len(s["tokens"]) for s in samples)
     tokens = torch.zeros(len(samples), longest, dtype=torch.int64)
     for row, s in enumerate(samples):
         tokens[row, :len(s["tokens"])] = s["tokens"]
-    return {"i": torch.tensor([s["i"] for s in samples]), "tokens": tokens}
+    batch = {"i": torch.tensor([s["i"] for s in samples]), "tokens": tokens}
+    if "noise" in samples[0]:
+        batch["noise"] = torch.stack([s["noise"] for s in samples])
+    return batch
 
 
 def heavy_tailed_lengths(n: int, seed: int = 0, cap: int = 512) -> list[int]:
