@@ -24,7 +24,7 @@ from dpex.client.sampling import EpochDraw, EpochPlans
 from dpex.client.session import Session
 from dpex.client.stats import StatsMeter
 from dpex.errors import JOB_COLLECTED, DpexConfigError, DpexNotFoundError
-from dpex.plan import samplers
+from dpex.plan import even, samplers
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.wire.batchkey import EpochKey
 
@@ -79,7 +79,13 @@ class Epochs:
             progress = Progress(num_streams=streams, starts=self.replicas if streams else {})
         end_left(EpochKey(lane.job_id, session.consumer_index, epoch), session.client_id)  # this epoch, begun before
         attempt = secrets.randbits(63) + 1  # this iter()'s: a late release of an earlier one leaves it alone
-        num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resume is not None, attempt)
+        # "longest", resumed mid-epoch: the first batch, given before, is fetched again (to repeat if this
+        # consumer's own run out; made again bitwise, its draws keyed): not marked delivered in the plan.
+        given = progress.seqs() if resume is not None else set()
+        again = min(given) if (given and not streams and self.opts.num_consumers > 1
+                               and self.opts.even_batches == even.LONGEST) else None
+        num_batches = self._submit(lane, epoch, base_seed, sampler, plan, streams, progress, resume is not None,
+                                   attempt, again)
         fetcher = EpochFetcher(
             stub=session.stub, target=session.target, streams=lane.streams, job_id=lane.job_id, job_key=lane.job_key,
             consumer_index=session.consumer_index, epoch=epoch, num_batches=num_batches,
@@ -88,7 +94,7 @@ class Epochs:
             meter=self.meter, leave=session.releaser(lane.job_id, lane.job_key, epoch, attempt), progress=progress,
             report=session.report, health=session.health if session.embedded else None,
             no_worker_s=session.first_contact_s if self.opts.timeout_s is None else None,
-            num_consumers=self.opts.num_consumers, even_batches=self.opts.even_batches, attempt=attempt)
+            num_consumers=self.opts.num_consumers, even_batches=self.opts.even_batches, attempt=attempt, again=again)
         self.current = EpochState(epoch, base_seed, num_batches, sampler, None if sampler or streams else plan,
                                   progress, streams, resume.reshard if resume is not None else None, draw=draw)
         self.fetcher = weakref.ref(fetcher)
@@ -97,7 +103,7 @@ class Epochs:
         return iterator
 
     def _submit(self, lane: Lane, epoch: int, base_seed: int, sampler: Any, plan: list, streams: int,
-                progress: Progress, resumed: bool, attempt: int) -> int:
+                progress: Progress, resumed: bool, attempt: int, again: int | None = None) -> int:
         """Submits the epoch's plan on ``lane`` (its job made again if it was collected); its batches."""
         session = self.session
         submit = dpb.SubmitPlanRequest(job_id=lane.job_id, job_key=lane.job_key,
@@ -107,7 +113,10 @@ class Epochs:
         if sampler is not None:
             submit.sampler.CopyFrom(sampler)
         if resumed:
-            submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in progress.ranges())
+            done = progress.ranges()
+            if again is not None:  # all but that one
+                done = [(a, b) for s, e in done for a, b in ((s, min(e, again)), (max(s, again + 1), e)) if a < b]
+            submit.done.extend(dpb.SeqRange(start=a, end=b) for a, b in done)
             submit.resume_id = secrets.randbits(63) + 1
         for k in sorted(set(progress.stream_states) | set(progress.starts)):
             j, state = progress.stream_states.get(k, (0, b""))

@@ -373,7 +373,7 @@ class EpochFetcher:
                  progress: Progress | None = None, report: Callable[[str, str], None] | None = None,
                  client_id: int = 0, health: Callable[[], BaseException | None] | None = None,
                  no_worker_s: float | None = None, num_consumers: int = 1, even_batches: str | None = None,
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, again: int | None = None) -> None:
         """``num_streams`` > 0: an IterableDataset epoch of that many streams
         of unknown length (batch j of stream k is seq j*N+k; num_batches unused).
         ``leave(wait)`` tells the dispatcher the epoch was left unfinished
@@ -389,7 +389,9 @@ class EpochFetcher:
         the epoch's error (None: it can); ``no_worker_s``: how long the
         dispatcher may have no live worker before the epoch fails (None: for ever).
         ``num_consumers`` > 1: the job's consumers count their batches (dpex.plan.even);
-        ``even_batches`` the rule that makes their epochs equal (None: torch's, and a warning)."""
+        ``even_batches`` the rule that makes their epochs equal (None: torch's, and a warning);
+        ``again``: under "longest", resumed, the seq of the epoch's first batch (given before the
+        checkpoint), fetched again to be repeated, not given."""
         self._streams = streams
         self._results = streams.results
         self._job_key = job_key
@@ -401,6 +403,7 @@ class EpochFetcher:
         self._outage, self._target = outage, target
         self.progress = progress or Progress()
         self._ledger: Ledger[tuple[wpb.Batch, Any, int]] = Ledger(num_batches, num_streams, self.progress)
+        self._ledger.again = again
         self._router = Router(num_streams)
         self._corrupt: dict[str, int] = {}  # address -> corrupt frames it sent
         self._report = report
@@ -506,12 +509,13 @@ class EpochFetcher:
                     continue
                 if verdict == even.END:
                     self._end_evenly(item)
-                if item is None:  # "longest": this consumer's own ran out, another's go on
-                    return self._repeat()
+                if item is None and (self._gate.has_first or self._ledger.again is None):
+                    return self._repeat()  # "longest": this consumer's own ran out, another's go on
+                # (else its first batch, fetched again after a resume, is on its way)
             self._held = None
             if item is not None:
                 return self._finish(item)
-            if self._ledger.finished:
+            if self._ledger.finished and self._ledger.again is None:
                 if self._gate is not None and self._gate.rule is None:
                     self._check_even()
                 self._exit.finished = True
@@ -650,6 +654,12 @@ class EpochFetcher:
             except DpexError as e:
                 log.debug("could not tell the epoch's count: %s", e)
             self.close()
+            if self._ledger.resumed:  # an IterableDataset's stream, resumed: its first batch is not made again
+                raise DpexConfigError(
+                    f"consumer {self.key.consumer_index} of job {self.key.job_id} was resumed in epoch "
+                    f"{self.key.epoch} past its own batches, and an IterableDataset's stream cannot make its first "
+                    "batch again to repeat (even_batches='longest'): checkpoint before a rank's own batches run "
+                    "out, or use even_batches='shortest'")
             raise DpexConfigError(
                 f"consumer {self.key.consumer_index} of job {self.key.job_id} has no batch of its own in epoch "
                 f"{self.key.epoch} to repeat while others go on (even_batches='longest' repeats a rank's own "
@@ -742,7 +752,8 @@ class EpochFetcher:
             self._control.next_seq = ledger.low
             self._control.count = self._own()
             return True
-        if not ledger.is_new(seq):
+        again = seq == ledger.again  # "longest", resumed: the epoch's first batch, to repeat
+        if not again and not ledger.is_new(seq):
             drop_file(meta)
             return False  # a duplicate (e.g. re-sent after a reconnect)
         begun = time.perf_counter()
@@ -774,6 +785,13 @@ class EpochFetcher:
                 return self._corrupt_frame(got.address, seq, e)
         self._meter.received(got.address, meta.stages if meta.HasField("stages") else None, got.receive_s,
                              time.perf_counter() - begun, meta.processes)
+        if again:
+            ledger.again = None
+            ledger.requested.pop(seq, None)
+            if self._gate is not None and not meta.HasField("error"):
+                self._gate.given(batch)
+            self._control.ack(seq)
+            return False
         ledger.receive(seq, (meta, batch, size))
         self._control.ack(seq)
         self._control.next_seq = ledger.low

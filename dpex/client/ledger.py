@@ -32,6 +32,7 @@ class Ledger(Generic[T]):
         self.yielded = len(self.resumed)
         self.cursor = 0                      # next seq never requested
         self.next = 0                        # next seq to yield (ordered)
+        self.again: int | None = None        # given before a checkpoint, fetched again, not given (dpex.client.gate)
 
     # ---- the epoch's seqs -----------------------------------------------------
     @property
@@ -74,6 +75,9 @@ class Ledger(Generic[T]):
         urgent = self.next if ordered else -1
         room = window - outstanding >= group
         asks: dict[str, list[int]] = {}
+        if self.again is not None and self.again not in self.requested and route(self.again) is not None:
+            asks[route(self.again)] = [self.again]
+            outstanding += 1
         for seq in sorted(self.retry):
             if self.delivered.passed(seq):  # came meanwhile (another request's answer): not asked again
                 self.retry.discard(seq)

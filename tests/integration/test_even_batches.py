@@ -164,3 +164,52 @@ class Empty(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         yield from range(5 if int(os.environ["RANK"]) == 0 else 0)
+
+
+def test_a_rank_resumed_while_it_repeats_goes_on_repeating_its_first_batch_bitwise():
+    """even_batches="longest", a short rank checkpointed after its own batches ran out: the resumed loader
+    fetches its epoch's first batch again (made again, bitwise: keyed draws) and repeats it, as the
+    uninterrupted run did (before: "no batch of its own to repeat")."""
+    from torch.utils.data import BatchSampler
+
+    from dpex.testing.datasets import Augmented
+    sizes = {0: 5, 1: 14}  # rank 0: 2 batches of its own, rank 1: 5; rank 0 repeats its first 3 times
+
+    def loader(address, r, name):
+        sampler = BatchSampler(list(range(100 * r, 100 * r + sizes[r])), 3, False)
+        return dpex.RemoteDataLoader(address, Augmented(400), batch_sampler=sampler, num_consumers=2, consumer_index=r,
+                                     job_name=name, timeout=60, even_batches="longest",
+                                     generator=torch.Generator().manual_seed(4))
+
+    def plain(b):
+        return b["i"].tolist(), b["x"].numpy().tobytes()
+
+    with test_cluster(num_workers=2) as c:
+        want, done = {}, threading.Event()
+
+        def whole(r):
+            with loader(c.address, r, "whole") as dl:
+                want[r] = [plain(b) for b in dl]
+        threads = [threading.Thread(target=whole, args=(r,)) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert len(want[0]) == len(want[1]) == 5 and want[0][2:] == [want[0][0]] * 3
+
+        def long_rank():
+            with loader(c.address, 1, "resumed") as dl:
+                want["long"] = [plain(b) for b in dl]
+                done.wait(120)  # its count stays told while rank 0 resumes
+        other = threading.Thread(target=long_rank)
+        other.start()
+        with loader(c.address, 0, "resumed") as dl:
+            it = iter(dl)
+            got = [plain(next(it)) for _ in range(3)]  # its own two, and one repeat
+            state = dl.state_dict()
+        with loader(c.address, 0, "resumed") as dl:
+            dl.load_state_dict(state)
+            got += [plain(b) for b in dl]
+            stats = dl.stats()
+        done.set()
+        other.join()
+    assert got == want[0] and want["long"] == want[1]
+    assert stats.batches_repeated == 2

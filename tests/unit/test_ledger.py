@@ -142,3 +142,14 @@ def test_a_batch_received_unasked_is_passed_over_though_nobody_owns_it_now():
     ledger.retry.add(5)  # and one asked again meanwhile (its first answer "not assigned")
     assert ledger.asks(12, 1, True, owned) == {A: [8, 9, 10, 11]}
     assert ledger.retry == set()
+
+
+def test_a_batch_given_before_the_checkpoint_is_fetched_again_once_when_asked_to():
+    """even_batches="longest", resumed: the epoch's first batch (given) is asked for again, not given."""
+    ledger = Ledger(6, 0, Progress(done=[(0, 3)]))
+    ledger.again = 0
+    assert ledger.asks(6, 1, True, everyone()) == {A: [0, 3, 4, 5]}
+    assert ledger.asks(6, 1, True, everyone()) == {}
+    assert ledger.ask_again(0, A)  # "not assigned": asked again, of whoever owns it then
+    assert ledger.asks(6, 1, True, everyone(B)) == {B: [0]}
+    assert ledger.yielded == 3 and ledger.pop_ready(True) is None
