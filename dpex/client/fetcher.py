@@ -240,9 +240,9 @@ class _Exit:
     by the reaper thread); a second caller waits until the first is done."""
 
     def __init__(self, control: Control, leave: Callable[[bool], None] | None, streams: StreamPool,
-                 key: EpochKey, client_id: int = 0, fetcher: Any = None) -> None:
+                 key: EpochKey, client_id: int = 0, fetcher: Any = None, attempt: int = 0) -> None:
         self.control, self._leave = control, leave
-        self._streams, self.key, self.client_id = streams, key, client_id
+        self._streams, self.key, self.client_id, self.attempt = streams, key, client_id, attempt
         self.fetcher = weakref.ref(fetcher) if fetcher is not None else lambda: None  # not kept alive here
         self.finished = False
         # The leaving is told before the call returns, but from close() without a reason (the caller's
@@ -259,7 +259,7 @@ class _Exit:
             self._done = True
             try:
                 self.control.close(flush=self.finished)
-                self._streams.end_epoch(self.key)  # frames queued for it, and their files, go now
+                self._streams.end_epoch(self.key, self.attempt)  # frames queued for it, and their files, go now
                 if not self.finished and self._leave is not None:
                     try:
                         self._leave(self.wait)
@@ -417,12 +417,13 @@ class EpochFetcher:
         self._gate = EvenGate(even_batches, num_consumers, consumer_index, epoch) if num_consumers > 1 else None
         self._held: tuple[wpb.Batch, Any, int] | None = None  # received, waiting for the gate
         self._even_ended = False  # the rule ended the epoch before this consumer's own end
-        streams.start_epoch(self.key)  # before the control thread, whose news must find it begun
+        self._attempt = attempt
+        streams.start_epoch(self.key, attempt)  # before the control thread, whose news must find it begun
         self._control = Control(stub, target, self.key, self._results, retry_for_s, outage,
                                 self._meter, client_id, job_key, attempt)
         self._control.next_seq = self._ledger.low
         self._control.count = self._own()
-        self._exit = _Exit(self._control, leave, streams, self.key, client_id, self)
+        self._exit = _Exit(self._control, leave, streams, self.key, client_id, self, attempt)
         _live.add(self._exit)
         self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
         self._finalizer.atexit = False  # _end_at_exit ends it then, in the main thread
@@ -696,7 +697,7 @@ class EpochFetcher:
         for address, seqs in asks.items():
             self._streams.send(address, wpb.FetchRequest(
                 job_id=self.key.job_id, job_key=self._job_key, consumer_index=self.key.consumer_index, epoch=self.key.epoch,
-                seq=seqs[0], more_seqs=seqs[1:]))
+                seq=seqs[0], more_seqs=seqs[1:], attempt=self._attempt))
 
     def _handle(self, got: Any) -> bool:
         """Takes one result; True when a new batch arrived."""
@@ -735,9 +736,9 @@ class EpochFetcher:
         if got.meta is None:  # it did not parse (dpex.client.streams parsed it)
             return self._corrupt_frame(got.address, None, got.error)
         meta, payload = got.meta, got.payload
-        if EpochKey.of(meta) != self.key:
+        if EpochKey.of(meta) != self.key or (meta.attempt and meta.attempt != self._attempt):
             drop_file(meta)
-            return False  # from an earlier epoch or loader
+            return False  # from an earlier epoch or loader, or this epoch's earlier attempt
         seq = meta.seq
         if meta.not_assigned:
             # Not from that worker until the dispatcher names an owner; the same

@@ -159,11 +159,11 @@ class StreamPool:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._epoch: EpochKey | None = None  # being fetched
+        self._epoch: tuple[EpochKey, int] | None = None  # being fetched, and its plan's attempt
 
-    def start_epoch(self, key: EpochKey) -> None:
+    def start_epoch(self, key: EpochKey, attempt: int = 0) -> None:
         with self._lock:
-            self._epoch = key
+            self._epoch = (key, attempt)
 
     def wanted(self, received: Received) -> Received | None:
         """A frame received, with its header parsed, if it is for the epoch being
@@ -173,18 +173,20 @@ class StreamPool:
             meta, payload = parse_frame(received.frame)
         except DpexWireError as e:
             return received._replace(error=e)
-        if EpochKey.of(meta) == self._epoch:
+        epoch = self._epoch
+        # A frame of the same epoch's earlier attempt (the same loader's epoch begun again) is not this one's.
+        if epoch is not None and EpochKey.of(meta) == epoch[0] and (not meta.attempt or meta.attempt == epoch[1]):
             return received._replace(meta=meta, payload=payload)
         drop_file(meta)
         return None
 
-    def end_epoch(self, key: EpochKey) -> None:
+    def end_epoch(self, key: EpochKey, attempt: int = 0) -> None:
         """The epoch ended or was left: the frames queued for it go now (unless
         a newer epoch started meanwhile: its fetcher drops what is not its own).
         The rest stays: a left epoch is ended from another thread (dpex.client.fetcher's
         reaper) while the next one's control thread may already have news for it."""
         with self._lock:  # not between a newer epoch's start and its first frames
-            if self._epoch != key:
+            if self._epoch != (key, attempt):
                 return
             self._epoch = None
             kept = []

@@ -174,7 +174,7 @@ class Journaled:
         out.split_id, out.job_id, out.consumer_index, out.epoch = (split.split_id, plan.job_id,
                                                                    plan.consumer_index, plan.epoch)
         out.first_seq, out.num_batches, out.base_seed = split.first_seq, split.num_batches, plan.base_seed
-        out.num_streams = plan.num_streams
+        out.num_streams, out.attempt = plan.num_streams, plan.attempt
         start = plan.stream_starts.get(split.first_seq) if plan.num_streams else None
         if start is not None:
             out.stream_next, out.stream_state, out.stream_replica = start.next, start.state, start.replica

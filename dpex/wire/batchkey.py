@@ -23,11 +23,14 @@ class EpochKey(NamedTuple):
 
 
 class Key(NamedTuple):
-    """A batch id, ordered as the dispatcher orders splits."""
+    """A batch id, ordered as the dispatcher orders splits. ``attempt``: the plan's
+    (the iter() that submitted it): the same loader's epoch begun again is another
+    plan, maybe of other batches under the same numbers (0: not said)."""
     epoch: int
     seq: int
     consumer_index: int
     job_id: int
+    attempt: int = 0
 
     @property
     def consumer(self) -> tuple[int, int]:
@@ -42,4 +45,4 @@ class Key(NamedTuple):
         """The batch's frame header (a ``worker_pb2.Batch``) with ``fields``."""
         from dpex.proto import worker_pb2 as wpb  # the batch process imports it only when it makes one
         return wpb.Batch(job_id=self.job_id, consumer_index=self.consumer_index, epoch=self.epoch, seq=self.seq,
-                         **fields)
+                         attempt=self.attempt, **fields)

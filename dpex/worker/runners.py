@@ -40,7 +40,7 @@ Sink = Callable[[Frame], None]
 
 def split_keys(split: dpb.Split) -> list[Key]:
     """The batch ids of a (map-style) split, in order."""
-    return [Key(split.epoch, s, split.consumer_index, split.job_id)
+    return [Key(split.epoch, s, split.consumer_index, split.job_id, split.attempt)
             for s in seqs.split_seqs(split.first_seq, split.num_batches or len(split.batches))]
 
 
@@ -218,8 +218,8 @@ class Held:
     def __init__(self) -> None:
         self._by_id: dict[int, SplitRunner] = {}
         self._by_key: dict[Key, MapRunner] = {}
-        # IterableDataset streams: (job, consumer, epoch) -> (N, {stream k: runner})
-        self._streams: dict[EpochKey, tuple[int, dict[int, StreamRunner]]] = {}
+        # IterableDataset streams: ((job, consumer, epoch), attempt) -> (N, {stream k: runner})
+        self._streams: dict[tuple[EpochKey, int], tuple[int, dict[int, StreamRunner]]] = {}
         self._unknown: dict[Key, tuple[float, list[Sink]]] = {}  # key -> (asked at, requests)
 
     def __contains__(self, split_id: int) -> bool:
@@ -247,7 +247,7 @@ class Held:
         split = runner.split
         self._by_id[split.split_id] = runner
         if split.num_streams:
-            group = EpochKey(split.job_id, split.consumer_index, split.epoch)
+            group = (EpochKey(split.job_id, split.consumer_index, split.epoch), split.attempt)
             self._streams.setdefault(group, (split.num_streams, {}))[1][split.first_seq] = runner
         else:
             self._by_key.update((key, runner) for key in runner.keys)
@@ -263,7 +263,7 @@ class Held:
         # Only what is still this runner's: a split that replaced it (its epoch begun again, the same
         # keys) may have been added before this one was released.
         if split.num_streams:
-            group = EpochKey(split.job_id, split.consumer_index, split.epoch)
+            group = (EpochKey(split.job_id, split.consumer_index, split.epoch), split.attempt)
             by_stream = self._streams.get(group, (0, {}))[1]
             if by_stream.get(split.first_seq) is runner:
                 del by_stream[split.first_seq]
@@ -280,7 +280,7 @@ class Held:
         runner = self._by_key.get(key)
         if runner is not None:
             return runner
-        n, by_stream = self._streams.get(key.epoch_key, (0, {}))
+        n, by_stream = self._streams.get((key.epoch_key, key.attempt), (0, {}))
         return by_stream.get(seqs.stream_of(key.seq, n)[0]) if n else None
 
     def waited(self, key: Key) -> bool:
@@ -333,7 +333,8 @@ class StreamRunner:
         self.consumer = (split.job_id, split.consumer_index)
         self._split = dict(job_id=split.job_id, consumer_index=split.consumer_index, epoch=split.epoch,
                            stream=split.first_seq, num_streams=split.num_streams, base_seed=split.base_seed,
-                           next=split.stream_next, state=split.stream_state, replica=split.stream_replica)
+                           next=split.stream_next, state=split.stream_state, replica=split.stream_replica,
+                           attempt=split.attempt)
         self._buffer = buffer_batches
         self._cond = threading.Condition()
         self._ready: dict[int, bytes] = {}
@@ -379,7 +380,7 @@ class StreamRunner:
             waiting, self._waiters = self._waiters, {}
         for j, sinks in waiting.items():
             key = Key(self.split.epoch, seqs.stream_seq(self.split.first_seq, j, self.split.num_streams),
-                      self.split.consumer_index, self.split.job_id)
+                      self.split.consumer_index, self.split.job_id, self.split.attempt)
             for sink in sinks:
                 sink(not_assigned_frame(key))
 

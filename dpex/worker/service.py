@@ -266,7 +266,7 @@ class WorkerService:
 
     def _request(self, r: wpb.FetchRequest, sink: Callable) -> None:
         for seq in (r.seq, *r.more_seqs):
-            self._scheduler.request(Key(r.epoch, seq, r.consumer_index, r.job_id), sink)
+            self._scheduler.request(Key(r.epoch, seq, r.consumer_index, r.job_id, r.attempt), sink)
 
     def _end(self, out: "_Outbox", sender: Sender | None, pointed: list[Handoff]) -> None:
         """A stream ended: its socket closed, its requests forgotten, its

@@ -172,6 +172,7 @@ class Shared:
         meta = wpb.Batch()
         meta.CopyFrom(kept.meta)
         meta.job_id, meta.consumer_index, meta.epoch, meta.seq = key.job_id, key.consumer_index, key.epoch, key.seq
+        meta.attempt = key.attempt
         return self._make_frame(frame_parts(meta, [kept.payload]))
 
 

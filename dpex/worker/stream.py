@@ -32,7 +32,7 @@ log = logging.getLogger("dpex.worker")
 def meta(split: Any, j: int, **fields: Any) -> wpb.Batch:
     """The metadata of stream batch j."""
     return Key(split["epoch"], stream_seq(split["stream"], j, split["num_streams"]), split["consumer_index"],
-               split["job_id"]).header(**fields)
+               split["job_id"], split["attempt"]).header(**fields)
 
 
 _END = object()

@@ -83,6 +83,23 @@ def test_the_end_of_a_left_epoch_keeps_the_news_of_the_next_one():
         assert [pool.results.get_nowait() for _ in range(2)] == [news, broken]
         pool.start_epoch((1, 0, 5))
         pool.end_epoch((1, 0, 4))  # late, after the next began: the next one's epoch stays
-        assert pool._epoch == (1, 0, 5)
+        assert pool._epoch == ((1, 0, 5), 0)
+    finally:
+        pool.close()
+
+
+def test_a_frame_of_the_same_epochs_earlier_attempt_is_not_taken():
+    """The same loader's epoch begun again (a new iter()) is another plan under the same batch numbers:
+    a frame made for the left one's plan is not the new one's (issue 58)."""
+    from dpex.wire import build_frame
+    from dpex.wire.batchkey import Key
+    pool = StreamPool(shared_memory=False)
+    try:
+        pool.start_epoch((1, 0, 4), attempt=7)
+        for attempt, taken in ((6, False), (7, True), (0, True)):  # 0: a worker that does not say
+            frame = build_frame(Key(4, 0, 0, 1, attempt).header())
+            assert (pool.wanted(Received("127.0.0.1:1", frame, None)) is not None) == taken
+        pool.end_epoch((1, 0, 4), attempt=6)  # the left one's end: the new one's epoch stays
+        assert pool._epoch == ((1, 0, 4), 7)
     finally:
         pool.close()

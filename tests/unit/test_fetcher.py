@@ -190,7 +190,7 @@ def test_an_epoch_ends_the_same_loaders_epoch_of_its_own_key_first_and_never_ano
         def close(self, flush):
             pass
 
-        def end_epoch(self, key):
+        def end_epoch(self, key, attempt=0):
             pass
     leaves, releasing = [], threading.Event()
 

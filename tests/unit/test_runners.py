@@ -128,3 +128,19 @@ def test_a_split_released_after_its_successor_came_leaves_the_successor_found(st
     key = Key(0, 3, 0, 9)  # stream 1 of 2, or a map split's batch 3
     assert held.find(key) is new and held.holds(new) and not held.holds(old)
     assert held.pop(2) is new and held.find(key) is None
+
+
+@pytest.mark.parametrize("streams", [0, 2], ids=["map split", "stream"])
+def test_a_request_of_another_attempt_is_never_the_held_splits_of_the_same_keys(streams):
+    """The same loader's epoch begun again: the new plan's requests name its attempt, and a split of the
+    left plan (the same batch numbers, maybe other batches) held here does not answer them (issue 58)."""
+    from types import SimpleNamespace
+
+    from dpex.worker.runners import Held, split_keys
+    split = dpb.Split(split_id=1, job_id=9, consumer_index=0, epoch=0, first_seq=1 if streams else 0,
+                      num_streams=streams, num_batches=0 if streams else 4, attempt=5)
+    old = SimpleNamespace(split=split, keys=[] if streams else split_keys(split), pooled=not streams)
+    held = Held()
+    held.add(old)
+    assert held.find(Key(0, 3, 0, 9, 5)) is old
+    assert held.find(Key(0, 3, 0, 9, 6)) is None  # waits for its own split, or is told it is not here

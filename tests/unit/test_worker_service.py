@@ -69,7 +69,7 @@ def test_each_seq_asked_for_is_answered_and_a_closed_stream_is_cancelled(worker)
     call = fetch(channel, iter(asks.get, None))
     asks.put(wpb.FetchRequest(job_id=3, consumer_index=1, epoch=2, seq=0, more_seqs=[1, 5]))
     got = [parse_frame(next(call))[0].seq for _ in range(3)]
-    assert got == [0, 1, 5] and scheduler.requests == [(2, 0, 1, 3), (2, 1, 1, 3), (2, 5, 1, 3)]
+    assert got == [0, 1, 5] and scheduler.requests == [(2, 0, 1, 3, 0), (2, 1, 1, 3, 0), (2, 5, 1, 3, 0)]
     assert scheduler.meter.fetch_streams == 1
     call.cancel()  # the trainer left
     wait_until(lambda: len(scheduler.cancelled) == 1 and scheduler.meter.fetch_streams == 0, 10, "the cancel")
@@ -150,7 +150,7 @@ def test_a_request_without_its_jobs_key_ends_the_stream_refused(worker):
         next(call)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "Fetch names job 2 without its key" in e.value.details()
-    assert scheduler.requests == [(0, 0, 0, 1)]  # the forged one never reached the scheduler
+    assert scheduler.requests == [(0, 0, 0, 1, 0)]  # the forged one never reached the scheduler
     inspect = channel.unary_unary("/dpex.v1.Worker/Inspect", request_serializer=wpb.InspectRequest.SerializeToString,
                                   response_deserializer=wpb.InspectResponse.FromString)
     with pytest.raises(grpc.RpcError) as e:
