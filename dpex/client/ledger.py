@@ -75,8 +75,9 @@ class Ledger(Generic[T]):
         urgent = self.next if ordered else -1
         room = window - outstanding >= group
         asks: dict[str, list[int]] = {}
-        if self.again is not None and self.again not in self.requested and route(self.again) is not None:
-            asks[route(self.again)] = [self.again]
+        again = route(self.again) if self.again is not None and self.again not in self.requested else None
+        if again is not None:
+            asks[again] = [self.again]
             outstanding += 1
         for seq in sorted(self.retry):
             if self.delivered.passed(seq):  # came meanwhile (another request's answer): not asked again
