@@ -2,6 +2,12 @@
 dispatcher and workers: ``authorization: Bearer <token>`` metadata, checked
 in constant time by one server interceptor.
 
+A daemon's token file may hold several tokens, one per line: the first is
+the one it sends, and each is accepted, so that a token is rotated without
+downtime (the new beside the old, then the new first, then the new alone).
+The file, and a daemon's TLS certificate and key, are read again when they
+change, and at once on SIGHUP.
+
 Shipped code (pickled datasets, callables) runs on workers, so without a
 token a dispatcher accepts jobs only from loopback peers and a worker runs
 jobs only from a loopback dispatcher, unless ``allow_unauthenticated``.
@@ -11,6 +17,9 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import ssl
+import threading
+import time
 from typing import Any, Callable
 
 import grpc
@@ -20,21 +29,88 @@ from dpex.keys import Refusals
 
 TOKEN_ENV = "DPEX_AUTH_TOKEN"
 _KEY = "authorization"
+_log = logging.getLogger("dpex.auth")
+
+
+def read_tokens(token_file: str) -> list[str]:
+    """The tokens in ``token_file``, one per line (the first is the one sent)."""
+    try:
+        with open(token_file) as f:
+            tokens = [line.strip() for line in f if line.strip()]
+    except OSError as e:
+        raise DpexConfigError(f"cannot read the auth token file {token_file}: {e}") from None
+    if not tokens:
+        raise DpexConfigError(f"the auth token file {token_file} is empty")
+    return tokens
 
 
 def load_token(token_file: str | None = None, token: str | None = None) -> str | None:
-    """The token from ``token``, else ``token_file``, else $DPEX_AUTH_TOKEN; None: no auth."""
+    """The token from ``token``, else ``token_file`` (its first), else $DPEX_AUTH_TOKEN; None: no auth."""
     if token is None and token_file:
-        try:
-            with open(token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise DpexConfigError(f"cannot read the auth token file {token_file}: {e}") from None
-        if not token:
-            raise DpexConfigError(f"the auth token file {token_file} is empty")
+        token = read_tokens(token_file)[0]
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
     return token
+
+
+class Tokens:
+    """The tokens a daemon accepts and the one it sends: one fixed token, or a
+    token file's lines, read again when the file changes (looked at no more
+    than once a second, on a call) or when :meth:`reload` is called (SIGHUP).
+    A file that cannot be read, or is empty, keeps the tokens it had, said in
+    the log: a rotation half done must not shut the cluster out."""
+
+    def __init__(self, token: str | None = None, token_file: str | None = None, check_every_s: float = 1.0) -> None:
+        self._file, self._every = token_file, check_every_s
+        self._tokens = read_tokens(token_file) if token_file else [token] if token else []
+        self._expected = [f"Bearer {t}".encode() for t in self._tokens]
+        self._seen = self._stamp()
+        self._next_check = time.monotonic() + check_every_s
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._tokens)
+
+    def _stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self._file) if self._file else None
+        except OSError:
+            return None
+        return st and (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload(self) -> bool:
+        """Reads the file again (if any); whether the tokens changed."""
+        if not self._file:
+            return False
+        with self._lock:
+            self._seen = self._stamp()
+            try:
+                tokens = read_tokens(self._file)
+            except DpexConfigError as e:
+                _log.error("%s; the tokens read before stay", e)
+                return False
+            if tokens == self._tokens:
+                return False
+            self._tokens, self._expected = tokens, [f"Bearer {t}".encode() for t in tokens]
+        _log.warning("auth tokens read again from %s: %d accepted", self._file, len(tokens))
+        return True
+
+    def _fresh(self) -> None:
+        now = time.monotonic()
+        if self._file and now >= self._next_check:
+            self._next_check = now + self._every
+            if self._stamp() != self._seen:
+                self.reload()
+
+    def current(self) -> str | None:
+        """The token to send (the file's first)."""
+        self._fresh()
+        return self._tokens[0] if self._tokens else None
+
+    def accepts(self, authorization: bytes) -> bool:
+        """Whether an ``authorization`` header carries one of the tokens (each compared in constant time)."""
+        self._fresh()
+        return any([hmac.compare_digest(authorization, e) for e in self._expected])
 
 
 TLS_CA_ENV = "DPEX_TLS_CA"
@@ -56,12 +132,40 @@ def load_ca(path: str | None = None) -> bytes | None:
 
 
 def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.ServerCredentials | None:
-    """TLS for a daemon's port from a certificate chain and key (PEM); None: plaintext."""
+    """TLS for a daemon's port from a certificate chain and key (PEM); None: plaintext. The files
+    are read again for a new connection once they changed (a renewed certificate needs no restart)."""
     if not cert_file and not key_file:
         return None
     if not (cert_file and key_file):
         raise DpexConfigError("TLS needs both --tls-cert and --tls-key")
-    return grpc.ssl_server_credentials([(read_pem(key_file, "key"), read_pem(cert_file, "certificate"))])
+
+    def stamp() -> tuple:
+        try:
+            return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, (cert_file, key_file)))
+        except OSError:
+            return ()
+
+    def config() -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(read_pem(key_file, "key"), read_pem(cert_file, "certificate"))])
+
+    seen = [stamp()]
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC asks at each handshake
+        now = stamp()
+        if now == seen[0]:
+            return None  # unchanged: the configuration in use stays
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+            fresh = config()
+        except (DpexConfigError, ssl.SSLError, OSError) as e:  # e.g. the key replaced, the certificate not yet
+            _log.error("TLS certificate and key not read again (%s); those in use stay", e)
+            return None
+        seen[0] = now
+        _log.warning("TLS certificate and key read again from %s and %s", cert_file, key_file)
+        return fresh
+
+    return grpc.dynamic_ssl_server_credentials(config(), fetch)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -112,8 +216,8 @@ class TokenCheck(grpc.ServerInterceptor):
 
     _refusal: Callable = staticmethod(_refuse)
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: Tokens | str) -> None:
+        self._tokens = tokens if isinstance(tokens, Tokens) else Tokens(tokens)
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         return self._check(details, continuation(details))
@@ -122,7 +226,7 @@ class TokenCheck(grpc.ServerInterceptor):
         if details.method.startswith("/grpc.health."):
             return handler
         given = dict(details.invocation_metadata or ()).get(_KEY, "")
-        if hmac.compare_digest(given.encode(), self._expected):
+        if self._tokens.accepts(given.encode()):
             return handler
         # Refuse in the method's own shape (a streaming method needs a streaming handler).
         shape = (handler.request_streaming, handler.response_streaming) if handler else (False, False)
@@ -140,11 +244,11 @@ class AsyncTokenCheck(grpc.aio.ServerInterceptor, TokenCheck):
 
 class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                 grpc.StreamStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._pair = (_KEY, f"Bearer {token}")
+    def __init__(self, tokens: Tokens) -> None:
+        self._tokens = tokens
 
     def _details(self, details: Any) -> Any:
-        metadata = list(details.metadata or []) + [self._pair]
+        metadata = list(details.metadata or []) + [(_KEY, f"Bearer {self._tokens.current()}")]
         return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
             details.method, details.timeout, metadata, details.credentials,
             getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
@@ -168,6 +272,9 @@ class _Details(grpc.ClientCallDetails):
         self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
 
 
-def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
-    """The channel, sending the token with every call (unchanged when None)."""
-    return grpc.intercept_channel(channel, _AddToken(token)) if token else channel
+def with_token(channel: grpc.Channel, token: Tokens | str | None) -> grpc.Channel:
+    """The channel, sending the token (a daemon's :class:`Tokens`: its current one) with every call
+    (unchanged when None)."""
+    if not token:
+        return channel
+    return grpc.intercept_channel(channel, _AddToken(token if isinstance(token, Tokens) else Tokens(token)))

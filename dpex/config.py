@@ -26,6 +26,7 @@ class DispatcherConfig:
     work_dir: str | None = None          # the journal's directory; None: state in memory only
     consumer_timeout_s: float = 60.0     # a trainer silent this long mid-epoch is released
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked
+    auth_token_file: str | None = None   # tokens, one per line, read again on change (dpex.auth.Tokens)
     allow_unauthenticated: bool = False  # without a token: accept jobs from non-loopback peers too
     tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
     tls_key_file: str | None = None
@@ -72,6 +73,7 @@ class WorkerConfig:
     heartbeat_interval_s: float = 5.0    # as the dispatcher's (the same $DPEX_HEARTBEAT_INTERVAL)
     connect_timeout_s: float = 30.0      # how long to retry an unreachable dispatcher
     auth_token: str | None = field(default=None, repr=False)  # None: no token checked or sent
+    auth_token_file: str | None = None   # tokens, one per line, read again on change (dpex.auth.Tokens)
     allow_unauthenticated: bool = False  # without a token: run jobs of a non-loopback dispatcher
     tls_cert_file: str | None = None     # PEM chain; with tls_key_file, serve TLS (None: plaintext)
     tls_key_file: str | None = None

@@ -20,14 +20,15 @@ from dpex.procutil import flush_stdio
 
 # ---- the daemon's side ---------------------------------------------------------------------
 def serve_until_signalled(server: Any, ready_file: str | None) -> None:
-    """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server."""
+    """Writes the ready file, waits for SIGTERM/SIGINT, then closes the server; on
+    SIGHUP, ``server.reload()`` (the token file read again)."""
     # The signal's own wake-up byte, not a flag polled: the kernel may deliver the
     # signal to a gRPC thread, and Python runs handlers only in the main thread;
     # the C-level handler writes the byte to this pipe from any thread. (A flag
     # set by the handler would do too, but only when the main thread next runs.)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         # A no-op handler: an Event.set() here could run inside another handler
         # (a burst of SIGTERMs) and wait for a lock the outer one holds, forever.
         signal.signal(sig, lambda signum, _: None)
@@ -39,8 +40,9 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
             f.write(server.address + (f"\n{metrics.port}" if metrics is not None else ""))
         os.replace(tmp, ready_file)
     stops = {signal.SIGTERM, signal.SIGINT}
-    while not stops & set(os.read(wake_r, 64)):  # a byte per signal: its number
-        pass
+    while not stops & (got := set(os.read(wake_r, 64))):  # a byte per signal: its number
+        if signal.SIGHUP in got:
+            server.reload()
     signal.set_wakeup_fd(old_wakeup)
     os.close(wake_r)
     os.close(wake_w)

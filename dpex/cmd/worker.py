@@ -105,6 +105,7 @@ def main(dispatcher: str, port: int, host: str, advertise_host: str | None, proc
                               max_held_splits=max_splits, max_loaders=max_loaders,
                               heartbeat_interval_s=heartbeat_interval,
                               connect_timeout_s=connect_timeout, auth_token=load_token(auth_token_file),
+                              auth_token_file=auth_token_file,
                               allow_unauthenticated=allow_unauthenticated,
                               tls_cert_file=tls_cert, tls_key_file=tls_key, tls_ca_file=tls_ca,
                               max_message_bytes=int(max_message_mb * 2**20), metrics_port=metrics_port,

@@ -33,7 +33,7 @@ from dpex.dispatcher.reaper import Reaper
 from dpex.dispatcher import page
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.auth import is_loopback_host, server_credentials
+from dpex.auth import Tokens, is_loopback_host, server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics
 from dpex.errors import DpexConfigError
 from dpex.rpc import add_async_health, add_servicer, listen, server_interceptors, server_options
@@ -79,6 +79,7 @@ class DispatcherServer:
 
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
+        self.tokens = Tokens(config.auth_token, config.auth_token_file)
         self.core = DispatcherCore(config)
         if self.core.store is not None:
             self.core.store.on_failing = self._journal_failing
@@ -120,7 +121,7 @@ class DispatcherServer:
         port = config.port
         for _ in range(ACCEPTORS):
             server = grpc.aio.server(pool, options=options + FLEET_OPTIONS + [("grpc.so_reuseport", 1)],
-                                     interceptors=server_interceptors(config.auth_token, aio=True))
+                                     interceptors=server_interceptors(self.tokens, aio=True))
             add_servicer(server, self.service, dpb.DESCRIPTOR.services_by_name["Dispatcher"])
             self._healths.append(await add_async_health(server, "dpex.v1.Dispatcher"))
             self._servers.append(server)
@@ -137,6 +138,10 @@ class DispatcherServer:
         for health in self._healths:
             for name in ("", "dpex.v1.Dispatcher"):
                 asyncio.run_coroutine_threadsafe(health.set(name, status), self._loop)
+
+    def reload(self) -> None:
+        """SIGHUP: the token file read again now (the TLS files are, at the next connection after a change)."""
+        self.tokens.reload()
 
     async def _stop(self, grace_s: float) -> None:
         await asyncio.gather(*(server.stop(grace_s) for server in self._servers))

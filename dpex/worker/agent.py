@@ -10,12 +10,12 @@ import re
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dpex import keys
-from dpex.auth import load_ca
+from dpex.auth import Tokens, load_ca
 from dpex.config import WorkerConfig
-from dpex.errors import DpexCancelledError, DpexConnectionError, DpexError, DpexNotFoundError
+from dpex.errors import DpexAuthError, DpexCancelledError, DpexConnectionError, DpexError, DpexNotFoundError
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import Outage, call, channel
@@ -31,14 +31,20 @@ _JOB_FILE = re.compile(r"job-(\d+)\.pb")
 
 
 class DispatcherAgent:
-    def __init__(self, config: WorkerConfig, address: str, scheduler: Scheduler, job_dir: str) -> None:
+    def __init__(self, config: WorkerConfig, address: str, scheduler: Scheduler, job_dir: str,
+                 tokens: Tokens | None = None, on_refused: Callable[[bool], None] | None = None) -> None:
+        """``tokens``: what calls carry (default: ``config.auth_token``); ``on_refused(True)`` when the
+        dispatcher refuses them, ``on_refused(False)`` when it takes them again."""
         self._config = config
         self._address = address
         self._scheduler = scheduler
         self._job_dir = job_dir
         self._jobs: dict[int, dpb.JobDef] = {}  # by job: its definition, without its code
         self._digests: dict[int, bytes | None] = {}  # by job: what it shares (dpex.plan.spec.share_digest)
-        self._channel = channel(config.dispatcher, config.auth_token, load_ca(config.tls_ca_file))
+        self._channel = channel(config.dispatcher, tokens if tokens is not None else config.auth_token,
+                                load_ca(config.tls_ca_file))
+        self._on_refused = on_refused or (lambda refused: None)
+        self._refused = False
         self._stub = dgrpc.DispatcherStub(self._channel)
         self._stop = threading.Event()
         self._outage = Outage()  # the dispatcher's, shared by every call to it
@@ -191,6 +197,7 @@ class DispatcherAgent:
                                      track=functools.partial(self._track_poll, (want, saturated)),
                                      retry_for_s=math.inf)
                 self._track_poll((want, saturated), None)
+                self._refusal(None)
                 if response.pause and not response.splits and not response.release_split_ids:
                     # The dispatcher holds no more polls (a huge fleet), or is
                     # stopping: pause the rest of the interval (until room frees here).
@@ -222,9 +229,19 @@ class DispatcherAgent:
                 continue
             except DpexError as e:  # e.g. DpexAuthError: a wrong token
                 log.error("heartbeat failed: %s", e)
+                self._refusal(e)
                 self._stop.wait(interval)
                 continue
             # No pause otherwise: the dispatcher long-polls each heartbeat for up to an interval.
+
+    def _refusal(self, error: DpexError | None) -> None:
+        """Tells the server when the dispatcher starts or stops refusing our token."""
+        refused = isinstance(error, DpexAuthError)
+        if refused != self._refused:
+            self._refused = refused
+            if not refused:
+                log.warning("the dispatcher takes this worker's token again")
+            self._on_refused(refused)
 
     def close(self, deregister: bool = False) -> None:
         """Stops heartbeats; with ``deregister``, tells the dispatcher we leave

@@ -18,7 +18,7 @@ from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex import auth
-from dpex.auth import answers, is_loopback_host, server_credentials
+from dpex.auth import Tokens, answers, is_loopback_host, server_credentials
 from dpex.keys import Refusals
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
@@ -87,6 +87,7 @@ class WorkerServer:
         check_code_source(config)
         check_data_paths(config.data_paths)
         self.config = config
+        self.tokens = Tokens(config.auth_token, config.auth_token_file)
         self._closed = False
         self.pool = pool  # type: ignore[assignment]  # closed by close() if the start fails
         # grpc.aio on a loop of its own: an open Fetch stream is a coroutine, not a
@@ -133,7 +134,8 @@ class WorkerServer:
             self._health = self._loop.run(self._serve(self.service))
             if config.metrics_port is not None:  # scraped as soon as it serves, while it may still wait for the dispatcher
                 self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
-            self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir)
+            self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir, self.tokens,
+                                         on_refused=self._refused_by_dispatcher)
             self.agent.start()
             self._stopping = threading.Event()
             self._janitor = threading.Thread(target=self._sweep, name="dpex-shm-janitor", daemon=True)
@@ -151,9 +153,21 @@ class WorkerServer:
     async def _listen(self, config: WorkerConfig) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(self._rpc_threads,
                                  options=server_options(4 << 20),  # trainers send only small requests
-                                 interceptors=server_interceptors(config.auth_token, aio=True))
+                                 interceptors=server_interceptors(self.tokens, aio=True))
         return server, listen(server, f"{config.host}:{config.port}",
                               server_credentials(config.tls_cert_file, config.tls_key_file))
+
+    def reload(self) -> None:
+        """SIGHUP: the token file read again now (the TLS files are, at the next connection after a change)."""
+        self.tokens.reload()
+
+    def _refused_by_dispatcher(self, refused: bool) -> None:
+        """Health says NOT_SERVING while the dispatcher refuses this worker's token (a rotation it
+        missed): a probe sees a worker that gets no work."""
+        from grpc_health.v1 import health_pb2
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if refused else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", "dpex.v1.Worker"):
+            self._loop.run(self._health.set(name, status))
 
     async def _serve(self, service: WorkerService) -> Any:
         """Adds the services and starts serving; the health servicer."""

@@ -193,3 +193,60 @@ def test_a_loader_that_joined_a_job_cannot_take_another_loaders_consumer_with_cl
                                                         client_id=0), timeout=10)  # answered, and nothing done
         got += [y for batch in it for y in batch["y"].tolist()]
     assert got == list(range(40))
+
+
+def _daemon(tmp_path, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """A daemon started as an operator does; (its process, its address)."""
+    ready = tmp_path / f"{name}.ready"
+    log = open(tmp_path / f"{name}.log", "w")
+    env = {k: v for k, v in os.environ.items() if k not in ("DPEX_AUTH_TOKEN", "DPEX_PORT")}
+    proc = subprocess.Popen([command(name), "--port", "0", "--ready-file", str(ready), *args], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 60, name)
+    assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-2000:]
+    return proc, ready.read_text().splitlines()[0]
+
+
+def test_a_token_is_rotated_with_no_restart_and_a_worker_refused_says_not_serving(tmp_path):
+    """Each daemon's token file lists the new token beside the old, then the new alone: the daemons read it
+    again when it changes (or at once on SIGHUP), trainers with either token are served while both are
+    listed, and a worker whose token the dispatcher no longer takes answers NOT_SERVING until its file has it."""
+    import signal
+    dispatcher_tokens, worker_tokens = tmp_path / "dispatcher-token", tmp_path / "worker-token"
+    dispatcher_tokens.write_text("old-token\n")
+    worker_tokens.write_text("old-token\n")
+    dispatcher, address = _daemon(tmp_path, "dpex-dispatcher", "--host", "127.0.0.1", "--auth-token-file",
+                                  str(dispatcher_tokens), "--heartbeat-interval", "0.3")
+    worker = None
+    try:
+        worker, worker_address = _daemon(tmp_path, "dpex-worker", "--dispatcher", address, "--host", "127.0.0.1",
+                                         "--processes", "1", "--auth-token-file", str(worker_tokens),
+                                         "--heartbeat-interval", "0.3")
+
+        def served(token: str) -> bool:
+            try:
+                with dpex.RemoteDataLoader(address, SPEC, batch_size=4, auth_token=token, timeout=30) as dl:
+                    return [b["y"].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            except dpex.DpexAuthError:
+                return False
+
+        def health(worker_address=worker_address) -> str:
+            return run("dpex", "health", worker_address, "--service", "dpex.v1.Worker").stdout.strip()
+
+        assert served("old-token") and not served("new-token")
+        dispatcher_tokens.write_text("old-token\nnew-token\n")  # read again on change: no signal
+        worker_tokens.write_text("old-token\nnew-token\n")
+        wait_until(lambda: served("new-token"), 30, "the new token taken")
+        assert served("old-token")  # both, while both are listed
+        dispatcher_tokens.write_text("new-token\n")  # the worker still sends the old one: refused
+        wait_until(lambda: health() == "NOT_SERVING", 30, "the refused worker to say so")
+        worker_tokens.write_text("new-token\n")
+        worker.send_signal(signal.SIGHUP)  # at once
+        wait_until(lambda: health() == "SERVING", 30, "the worker taken again")
+        assert served("new-token") and not served("old-token")
+        assert worker.poll() is None and dispatcher.poll() is None  # SIGHUP reloads, it does not stop
+    finally:
+        for proc in (worker, dispatcher):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
