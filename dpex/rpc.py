@@ -18,7 +18,7 @@ from google.protobuf import message_factory
 
 from dpex import errors
 from dpex.address import check_address
-from dpex.auth import AsyncTokenCheck, TokenCheck, with_token
+from dpex.auth import AsyncTokenCheck, TokenCheck, Tokens, with_token
 
 log = logging.getLogger("dpex.rpc")
 
@@ -313,16 +313,20 @@ def check_usable() -> None:
             "DataLoader(multiprocessing_context=...) does, or make it before the parent's first Dpex loader")
 
 
-def channel(address: str, token: str | None = None, tls_ca: bytes | None = None) -> grpc.Channel:
-    """A channel to a Dpex daemon, sending ``token`` with every call; with
-    ``tls_ca`` (PEM), over TLS, verifying the daemon against those CAs."""
+def channel(address: str, token: Tokens | str | None = None, tls_ca: bytes | None = None,
+            server_name: str | None = None) -> grpc.Channel:
+    """A channel to a Dpex daemon, sending ``token`` with every call (a daemon's
+    :class:`~dpex.auth.Tokens`: the current one); with
+    ``tls_ca`` (PEM), over TLS, verifying the daemon against those CAs, under
+    ``server_name`` if given (a probe reaching its own pod at localhost)."""
     global _used
     check_usable()
     _used = True
     address = check_address(address)
     if tls_ca:
+        override = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         raw = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca),
-                                  options=CHANNEL_OPTIONS)
+                                  options=CHANNEL_OPTIONS + override)
     else:
         raw = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return with_token(raw, token)
@@ -361,8 +365,8 @@ async def add_async_health(server: grpc.aio.Server, service: str) -> Any:
     return servicer
 
 
-def server_interceptors(token: str | None, aio: bool = False) -> list[grpc.ServerInterceptor]:
-    return [(AsyncTokenCheck if aio else TokenCheck)(token)] if token else []
+def server_interceptors(tokens: Tokens | str | None, aio: bool = False) -> list[grpc.ServerInterceptor]:
+    return [(AsyncTokenCheck if aio else TokenCheck)(tokens)] if tokens else []
 
 
 def answers_tcp(address: str, timeout_s: float) -> bool:

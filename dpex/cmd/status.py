@@ -1,4 +1,4 @@
-"""dpex: operator commands (``dpex status``, ``dpex profile``, ``dpex ray start|status|stop``)."""
+"""dpex: operator commands (``dpex status``, ``dpex profile``, ``dpex health``, ``dpex ray start|status|stop``)."""
 from __future__ import annotations
 
 import contextlib
@@ -138,6 +138,40 @@ def status(dispatcher: str, timeout: float, auth_token_file: str | None, tls_ca:
         click.echo(MessageToJson(response, always_print_fields_with_no_presence=True))
     else:
         click.echo(render(response))
+
+
+@main.command()
+@click.argument("address")
+@click.option("--service", default="", show_default=True,
+              help="The service whose health to check: dpex.v1.Dispatcher, dpex.v1.Worker, or \"\" (the server).")
+@click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the answer.")
+@tls_ca_option
+@click.option("--tls-server-name", default=None, envvar="DPEX_TLS_SERVER_NAME", show_envvar=True,
+              help="With --tls-ca: the name the daemon's certificate must carry [default: ADDRESS's host] "
+              "(a probe reaching its own pod at localhost names the Service).")
+def health(address: str, service: str, timeout: float, tls_ca: str | None, tls_server_name: str | None) -> None:
+    """Check a daemon's gRPC health (as Kubernetes' gRPC probe, but over TLS
+    too): exit 0 and print SERVING, or exit 1 naming its status or why it
+    could not be asked. E.g. ``dpex health localhost:7071 --service dpex.v1.Worker``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from dpex.auth import load_ca
+    from dpex.rpc import channel
+    try:
+        with channel(address, None, load_ca(tls_ca), tls_server_name) as ch:
+            answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=timeout)
+    except grpc.RpcError as e:
+        if e.code() is grpc.StatusCode.NOT_FOUND:
+            fail(f"{address} serves no service {service!r}")
+        plaintext_to_tls = not tls_ca and "Socket closed" in (e.details() or "")
+        fail(f"{address}: {e.code().name}: {e.details()}" + (" (a TLS daemon? pass --tls-ca)" if plaintext_to_tls else ""))
+    except DpexError as e:
+        fail(str(e))
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    click.echo(name)
+    if answer.status != health_pb2.HealthCheckResponse.SERVING:
+        raise SystemExit(1)
 
 
 @main.command()

@@ -15,6 +15,7 @@ from tests.integration.commands import command, run
     (["dpex-dispatcher"], ["--port", "DPEX_PORT", "--heartbeat-timeout", "DPEX_HEARTBEAT_TIMEOUT"]),
     (["dpex-worker"], ["--dispatcher", "DPEX_DISPATCHER", "--processes", "DPEX_PROCESSES", "Example"]),
     (["dpex", "status"], ["--dispatcher", "DPEX_DISPATCHER"]),
+    (["dpex", "health"], ["--service", "--tls-ca", "--tls-server-name", "DPEX_TLS_SERVER_NAME"]),
 ])
 def test_help(cmd, words):
     out = run(*cmd, "--help")
@@ -24,6 +25,21 @@ def test_help(cmd, words):
     from dpex import version
     out = run(cmd[0], "--version")  # every command says what it is
     assert out.returncode == 0 and out.stdout == f"{cmd[0]} {version.describe().removeprefix('dpex ')}\n"
+
+
+def test_health_says_serving_or_why_not(cluster):
+    """`dpex health`: the daemons' gRPC health as a probe (exit 0: SERVING) for compose and Kubernetes."""
+    for address, service in ((cluster.address, "dpex.v1.Dispatcher"), (cluster.worker_addresses[0], "dpex.v1.Worker")):
+        for args in ((), ("--service", service)):
+            out = run("dpex", "health", address, *args)
+            assert out.returncode == 0 and out.stdout == "SERVING\n", out.stderr
+    out = run("dpex", "health", cluster.address, "--service", "dpex.v1.Worker")
+    assert out.returncode == 1 and f"{cluster.address} serves no service 'dpex.v1.Worker'" in out.stderr
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        out = run("dpex", "health", f"127.0.0.1:{s.getsockname()[1]}", "--timeout", "1")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
 
 
 def test_status_at_a_workers_port_says_it_is_not_a_dispatcher(cluster):

@@ -45,3 +45,53 @@ def test_status_over_tls(tls_cluster, pki):
 def test_a_key_without_a_certificate_is_a_clear_error(pki):
     out = run("dpex-dispatcher", "--port", "0", "--tls-key", pki[1])
     assert out.returncode == 1 and "TLS needs both --tls-cert and --tls-key" in out.stderr
+
+
+def test_health_over_tls_as_the_certificate_names_the_daemon(tls_cluster, pki):
+    """`dpex health` is the probe the manifests' TLS components run (Kubernetes' gRPC probe has no TLS)."""
+    worker = tls_cluster.worker_addresses[0]
+    port = worker.rsplit(":", 1)[1]
+    out = run("dpex", "health", worker, "--service", "dpex.v1.Worker", "--tls-ca", pki[2])
+    assert out.returncode == 0 and out.stdout == "SERVING\n", out.stderr
+    out = run("dpex", "health", f"127.0.0.1:{port}", "--tls-ca", pki[2], "--tls-server-name", "localhost")
+    assert out.returncode == 0 and out.stdout == "SERVING\n", out.stderr
+    out = run("dpex", "health", worker, "--tls-ca", pki[2], "--tls-server-name", "not-named.example")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    out = run("dpex", "health", worker, unset=("DPEX_TLS_CA",))  # plaintext at a TLS port
+    assert out.returncode == 1 and "a TLS daemon? pass --tls-ca" in out.stderr
+
+
+def test_a_renewed_certificate_is_served_with_no_restart(tmp_path):
+    """The certificate and key files replaced (as cert-manager or a Kubernetes Secret renews them): the next
+    connection is served with the new ones; the running daemon is not restarted."""
+    import shutil
+    import subprocess
+    from dpex.testing import wait_until
+    from tests.integration.commands import command
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    first, second = write_pki(tmp_path / "first"), write_pki(tmp_path / "second")
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copy(first[0], live / "tls.crt")
+    shutil.copy(first[1], live / "tls.key")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([command("dpex-dispatcher"), "--host", "127.0.0.1", "--port", "0", "--ready-file",
+                             str(ready), "--tls-cert", str(live / "tls.crt"), "--tls-key", str(live / "tls.key")],
+                            env={k: v for k, v in os.environ.items() if k != "DPEX_PORT"})
+    try:
+        wait_until(ready.exists, 60, "the dispatcher")
+        address = "localhost:" + ready.read_text().splitlines()[0].rsplit(":", 1)[1]
+
+        def serves_with(ca: str) -> bool:
+            return run("dpex", "health", address, "--tls-ca", ca, "--timeout", "5").returncode == 0
+
+        assert serves_with(first[2]) and not serves_with(second[2])
+        for name, source in (("tls.key", second[1]), ("tls.crt", second[0])):  # each file replaced whole
+            shutil.copy(source, live / f"{name}.new")
+            os.replace(live / f"{name}.new", live / name)
+        wait_until(lambda: serves_with(second[2]), 30, "the renewed certificate")
+        assert not serves_with(first[2]) and proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
