@@ -5,11 +5,12 @@ process in a network namespace of its own (its pod, with its own IP), with
 the Services' names in the pod's hosts file. What Kubernetes itself provides
 is stood in for, and only that: the pod IP and namespace (downward API),
 Secrets, resource requests (``resourceFieldRef``), volume mounts (a local
-directory per mount path) and Service DNS (a hosts entry).
+directory per mount path; a fresh one for a disk ``emptyDir``) and Service
+DNS (a hosts entry). Exec probes run in the pod's host with its environment.
 
-``python -m dpex.testing.kube probe POD_IP PROBE_JSON`` runs one probe the
-way the kubelet does (gRPC health, TCP connect or HTTP GET) and exits 0 if
-it passes.
+``python -m dpex.testing.kube probe POD_IP PROBE_JSON`` runs one network
+probe the way the kubelet does (gRPC health, TCP connect or HTTP GET) and
+exits 0 if it passes.
 """
 from __future__ import annotations
 
@@ -66,8 +67,16 @@ def _local(text: str, mounts: dict[str, str]) -> str:
     return text
 
 
+def namespace_of(objects: list[dict[str, Any]]) -> str:
+    """The namespace the rendered objects go to (``default`` when they name none)."""
+    names = {o["metadata"].get("namespace", NAMESPACE) for o in objects}
+    if len(names) != 1:
+        raise ValueError(f"objects in several namespaces: {sorted(names)}")
+    return names.pop()
+
+
 def container_env(container: dict[str, Any], pod_ip: str, secrets: dict[str, dict[str, str]],
-                  mounts: dict[str, str]) -> dict[str, str]:
+                  mounts: dict[str, str], namespace: str = NAMESPACE) -> dict[str, str]:
     """The container's environment as the kubelet would set it."""
     env: dict[str, str] = {}
     for var in container.get("env", []):
@@ -78,7 +87,7 @@ def container_env(container: dict[str, Any], pod_ip: str, secrets: dict[str, dic
             if "secretKeyRef" in ref:
                 value = secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
             elif "fieldRef" in ref:
-                value = {"status.podIP": pod_ip, "metadata.namespace": NAMESPACE}[ref["fieldRef"]["fieldPath"]]
+                value = {"status.podIP": pod_ip, "metadata.namespace": namespace}[ref["fieldRef"]["fieldPath"]]
             else:  # resourceFieldRef: the request in units of the divisor, rounded up
                 res = ref["resourceFieldRef"]
                 kind, what = res["resource"].split(".")
@@ -96,6 +105,8 @@ class Pod:
     log_path: str
     container: dict[str, Any]
     grace_s: float
+    env: dict[str, str]
+    mounts: dict[str, str]  # mount path -> the local directory standing in for it
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -106,14 +117,16 @@ class Pods:
     """Pods on their own hosts (network namespaces); ``services`` names the
     pods that Service names resolve to."""
 
-    def __init__(self, secrets: dict[str, dict[str, str]], mounts: dict[str, str]) -> None:
+    def __init__(self, secrets: dict[str, dict[str, str]], mounts: dict[str, str],
+                 namespace: str = NAMESPACE) -> None:
         self.net = NetnsCluster(workers=0, dispatcher=False)
-        self.secrets, self.mounts = secrets, mounts
+        self.secrets, self.mounts, self.namespace = secrets, mounts, namespace
         self.pods: dict[str, Pod] = {}
         self.hosts: dict[str, str] = {}  # Service DNS name -> pod IP
 
     def add_service(self, name: str, pod_ip: str) -> None:
-        for dns in (name, f"{name}.{NAMESPACE}", f"{name}.{NAMESPACE}.svc", f"{name}.{NAMESPACE}.svc.cluster.local"):
+        ns = self.namespace
+        for dns in (name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"):
             self.add_dns(dns, pod_ip)
 
     def add_dns(self, name: str, ip: str) -> None:
@@ -130,8 +143,9 @@ class Pods:
             f.write("\n".join(lines) + "\n")
 
     def host(self, name: str) -> str:
-        """A host of its own (a trainer, say), with the Services in its hosts file."""
-        ip = self.net.add_node(name)
+        """A host of its own (a trainer, say), with the Services in its hosts
+        file; the cluster's own hosts (``dispatcher``, ``trainer``) are reused."""
+        ip = self.net.nodes.get(name) or self.net.add_node(name)
         self._write_hosts(name)
         return ip
 
@@ -140,26 +154,43 @@ class Pods:
         spec = pod_spec(workload)
         (container,) = spec["containers"]
         mounts = {**self.mounts, **(mounts or {})}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for m in container.get("volumeMounts", []):  # a disk emptyDir: a fresh directory of the pod's
+            empty = volumes.get(m["name"], {}).get("emptyDir")
+            if m["mountPath"] not in mounts and empty is not None and empty.get("medium") != "Memory":
+                mounts[m["mountPath"]] = os.path.join(self.net.dir, f"{name}-{m['name']}")
+                os.makedirs(mounts[m["mountPath"]], exist_ok=True)
         mounted = {m["mountPath"]: mounts[m["mountPath"]] for m in container.get("volumeMounts", [])
                    if m["mountPath"] in mounts}
-        ip = self.net.nodes.get(name) or self.host(name)
-        self.add_dns(f"{ip.replace('.', '-')}.{NAMESPACE}.pod.cluster.local", ip)  # the pod's own DNS name
+        ip = self.host(name)
+        self.add_dns(f"{ip.replace('.', '-')}.{self.namespace}.pod.cluster.local", ip)  # the pod's own DNS name
         bin_dir = os.path.dirname(sys.executable)  # the image's PATH: the package's commands
         command = [shutil.which(container["command"][0], path=f"{bin_dir}:/usr/bin:/bin"),
                    *container["command"][1:]]
         argv = [_local(a, mounted) for a in command + container.get("args", [])]
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-               "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **container_env(container, ip, self.secrets, mounted)}
+               "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               **container_env(container, ip, self.secrets, mounted, self.namespace)}
         log_path = os.path.join(self.net.dir, f"{name}.log")
         with open(log_path, "ab") as log:
             process = subprocess.Popen(["ip", "netns", "exec", self.net.ns(name), *argv], env=env,
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        pod = Pod(name, ip, process, log_path, container, float(spec.get("terminationGracePeriodSeconds", 30)))
+        pod = Pod(name, ip, process, log_path, container, float(spec.get("terminationGracePeriodSeconds", 30)),
+                  env, mounted)
         self.pods[name] = pod
         return pod
 
     def probe(self, pod: Pod, probe: dict[str, Any], from_host: str) -> bool:
-        """Runs ``probe`` against the pod from ``from_host``, as the kubelet would."""
+        """Runs ``probe`` against the pod from ``from_host``, as the kubelet would
+        (an exec probe: in the pod, with its environment, within its timeout)."""
+        if "exec" in probe:
+            argv = [_local(a, pod.mounts) for a in probe["exec"]["command"]]
+            try:
+                result = subprocess.run(["ip", "netns", "exec", self.net.ns(pod.name), *argv], env=pod.env,
+                                        capture_output=True, text=True, timeout=probe.get("timeoutSeconds", 1))
+            except subprocess.TimeoutExpired:
+                return False
+            return result.returncode == 0
         result = subprocess.run(["ip", "netns", "exec", self.net.ns(from_host), sys.executable, "-m",
                                  "dpex.testing.kube", "probe", pod.ip, json.dumps(probe)],
                                 capture_output=True, text=True, timeout=60)
