@@ -87,12 +87,38 @@ def status_of(exc: errors.DpexError) -> grpc.StatusCode:
     return grpc.StatusCode.FAILED_PRECONDITION
 
 
+# grpc's words for a TLS handshake that failed for good (no retry mends them), and what each means.
+_TLS_REFUSALS = [
+    ("CERTIFICATE_VERIFY_FAILED", "its certificate is not signed by the CA given (tls_ca=, --tls-ca or DPEX_TLS_CA)"),
+    ("Hostname Verification Check failed", "its certificate does not name the host dialled: dial a name or IP it "
+     "names, or give the name with --tls-server-name / DPEX_TLS_SERVER_NAME"),
+    ("WRONG_VERSION_NUMBER", "it does not serve TLS: drop the CA, or start it with --tls-cert and --tls-key"),
+]
+# grpc's words when a plaintext client meets a TLS server (among other causes, so only a hint).
+_PLAINTEXT_AT_TLS = "Socket closed"
+
+
+def tls_refusal(details: str) -> str | None:
+    """Why a TLS handshake failed for good, from grpc's details; None if it did not."""
+    return next((why for words, why in _TLS_REFUSALS if words in details), None)
+
+
+def tls_hint(details: str) -> str:
+    """A hint to append when a connection failure may be a plaintext client at a TLS daemon."""
+    if _PLAINTEXT_AT_TLS in details and "Tls" not in details:
+        return " (if it serves TLS, give its CA: tls_ca=, --tls-ca or DPEX_TLS_CA)"
+    return ""
+
+
 def to_dpex_error(err: grpc.RpcError, target: str) -> errors.DpexError:
     """Turns an RPC failure into the DpexError the peer raised (or meant)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return errors.DpexConnectionError(f"cannot reach {target}: {details}")
+        why = tls_refusal(details)
+        if why is not None:  # a configuration error, not an outage: said at once, not retried
+            return errors.DpexAuthError(f"{target} failed TLS verification: {why} ({details})")
+        return errors.DpexConnectionError(f"cannot reach {target}: {details}{tls_hint(details)}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DpexTimeoutError(f"{target} did not answer in time: {details}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -254,7 +280,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
                 raise errors.DpexCancelledError(f"call to {target} was cancelled") from None
             # CANCELLED that we did not ask for: the server cut the call short (it was stopping), or our
             # channel closed (the next try says so): an outage like UNAVAILABLE, never a silent end.
-            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or tls_refusal(details):
                 raise to_dpex_error(e, target) from None
             now = time.monotonic()
             since = outage.failed(now)  # read once: another call may end the outage meanwhile
@@ -264,7 +290,7 @@ def call(method: Callable[..., Any], request: Any, *, target: str, timeout_s: fl
                 if retry_for_s > 0:
                     error.args = (f"{error} (unreachable for {now - since:.0f}s)",)
                 raise error from None
-            why = details or code
+            why = f"{details}{tls_hint(details)}" if details else code
             if since == now:  # the first failure of this outage
                 log.warning("cannot reach %s (%s); retrying %s", target, why,
                             f"for {deadline - now:.0f}s" if deadline < math.inf else "until it is back")

@@ -156,16 +156,17 @@ def health(address: str, service: str, timeout: float, tls_ca: str | None, tls_s
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from dpex.auth import load_ca
-    from dpex.rpc import channel
+    from dpex import rpc
     try:
-        with channel(address, None, load_ca(tls_ca), tls_server_name) as ch:
+        with rpc.channel(address, None, load_ca(tls_ca), tls_server_name) as ch:
             answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                           timeout=timeout)
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.NOT_FOUND:
             fail(f"{address} serves no service {service!r}")
-        plaintext_to_tls = not tls_ca and "Socket closed" in (e.details() or "")
-        fail(f"{address}: {e.code().name}: {e.details()}" + (" (a TLS daemon? pass --tls-ca)" if plaintext_to_tls else ""))
+        details = e.details() or ""
+        why = rpc.tls_refusal(details)
+        fail(f"{address}: {e.code().name}: {details}" + (f": {why}" if why else rpc.tls_hint(details)))
     except DpexError as e:
         fail(str(e))
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)

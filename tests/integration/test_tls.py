@@ -31,9 +31,29 @@ def test_batches_flow_over_tls(tls_cluster, pki):
 def test_plaintext_or_an_untrusted_ca_cannot_connect(tls_cluster, pki, ca, monkeypatch):
     monkeypatch.delenv("DPEX_TLS_CA", raising=False)
     ca_file = os.path.join(os.path.dirname(pki[2]), ca) if ca else None
-    with pytest.raises(dpex.DpexConnectionError, match="cannot reach dispatcher"):
+    if ca is None:  # as a restarting daemon may look: retried for connect_timeout, with a hint
+        with pytest.raises(dpex.DpexConnectionError, match="cannot reach dispatcher.*if it serves TLS, give its CA"):
+            dpex.RemoteDataLoader(tls_cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares"),
+                                  auth_token=TOKEN, connect_timeout=1)
+        return
+    # A certificate that does not verify is a configuration error: said at once, however long the retry.
+    with pytest.raises(dpex.DpexAuthError, match="failed TLS verification: its certificate is not signed by the CA"):
         dpex.RemoteDataLoader(tls_cluster.address, dpex.DatasetSpec("dpex.testing.datasets:Squares"),
-                              auth_token=TOKEN, tls_ca=ca_file, connect_timeout=1)
+                              auth_token=TOKEN, tls_ca=ca_file, connect_timeout=3600)
+
+
+def test_a_certificate_for_another_name_or_tls_at_a_plaintext_daemon_is_said_at_once(tls_cluster, pki):
+    port = tls_cluster.address.rsplit(":", 1)[1]
+    out = run("dpex", "health", f"127.0.0.1:{port}", "--tls-ca", pki[2], env={"DPEX_TLS_SERVER_NAME": "other.example"})
+    assert out.returncode == 1 and "does not name the host dialled" in out.stderr, out.stderr
+    other_ca = os.path.join(os.path.dirname(pki[2]), "other-ca.pem")
+    out = run("dpex-worker", "--dispatcher", tls_cluster.address, "--tls-ca", other_ca, "--processes", "1",
+              "--connect-timeout", "3600", env={"DPEX_AUTH_TOKEN": TOKEN})
+    assert out.returncode == 1 and "not signed by the CA given" in out.stderr, out.stderr  # a worker exits, says why
+    with dpex.testing.test_cluster(num_workers=0) as plain:
+        with pytest.raises(dpex.DpexAuthError, match="it does not serve TLS"):
+            dpex.RemoteDataLoader(plain.address, dpex.DatasetSpec("dpex.testing.datasets:Squares"), tls_ca=pki[2],
+                                  connect_timeout=3600)
 
 
 def test_status_over_tls(tls_cluster, pki):
@@ -56,9 +76,9 @@ def test_health_over_tls_as_the_certificate_names_the_daemon(tls_cluster, pki):
     out = run("dpex", "health", f"127.0.0.1:{port}", "--tls-ca", pki[2], "--tls-server-name", "localhost")
     assert out.returncode == 0 and out.stdout == "SERVING\n", out.stderr
     out = run("dpex", "health", worker, "--tls-ca", pki[2], "--tls-server-name", "not-named.example")
-    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "does not name the host" in out.stderr
     out = run("dpex", "health", worker, unset=("DPEX_TLS_CA",))  # plaintext at a TLS port
-    assert out.returncode == 1 and "a TLS daemon? pass --tls-ca" in out.stderr
+    assert out.returncode == 1 and "if it serves TLS, give its CA" in out.stderr
 
 
 def test_a_renewed_certificate_is_served_with_no_restart(tmp_path):
