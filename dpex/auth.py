@@ -18,6 +18,7 @@ import hmac
 import logging
 import os
 import ssl
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -131,41 +132,77 @@ def load_ca(path: str | None = None) -> bytes | None:
     return read_pem(path or os.environ.get(TLS_CA_ENV), "CA file")
 
 
-def server_credentials(cert_file: str | None, key_file: str | None) -> grpc.ServerCredentials | None:
-    """TLS for a daemon's port from a certificate chain and key (PEM); None: plaintext. The files
-    are read again for a new connection once they changed (a renewed certificate needs no restart)."""
+class Certificate:
+    """A daemon's certificate chain and key (PEM files), read again once they
+    changed (a renewed certificate needs no restart): its gRPC port and its
+    metrics endpoint each ask for the newest at a handshake."""
+
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        self.cert_file, self.key_file = cert_file, key_file
+        self._lock = threading.Lock()
+        self._seen = self._stamp()
+        self.pem = (read_pem(key_file, "key"), read_pem(cert_file, "certificate"))
+        self.version = 0  # counts the times the files were read again
+
+    def _stamp(self) -> tuple:
+        try:
+            return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, (self.cert_file, self.key_file)))
+        except OSError:
+            return ()
+
+    def current(self) -> tuple[int, tuple[bytes, bytes]]:
+        """(version, (key, chain)): the files read again if they changed and form a pair."""
+        with self._lock:
+            now = self._stamp()
+            if now != self._seen:
+                try:
+                    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert_file, self.key_file)
+                    self.pem = (read_pem(self.key_file, "key"), read_pem(self.cert_file, "certificate"))
+                except (DpexConfigError, ssl.SSLError, OSError) as e:  # e.g. the key replaced, the chain not yet
+                    _log.error("TLS certificate and key not read again (%s); those in use stay", e)
+                else:
+                    self.version += 1
+                    _log.warning("TLS certificate and key read again from %s and %s", self.cert_file, self.key_file)
+                self._seen = now
+            return self.version, self.pem
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server context from the newest pair (for an HTTPS endpoint)."""
+        _, (key, chain) = self.current()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        with tempfile.TemporaryDirectory() as d:  # ssl loads a chain from files only
+            for name, pem in (("key", key), ("chain", chain)):
+                with open(os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(pem)
+            context.load_cert_chain(os.path.join(d, "chain"), os.path.join(d, "key"))
+        return context
+
+
+def certificate(cert_file: str | None, key_file: str | None) -> Certificate | None:
+    """The daemon's :class:`Certificate` from its flags; None: plaintext."""
     if not cert_file and not key_file:
         return None
     if not (cert_file and key_file):
         raise DpexConfigError("TLS needs both --tls-cert and --tls-key")
+    return Certificate(cert_file, key_file)
 
-    def stamp() -> tuple:
-        try:
-            return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, (cert_file, key_file)))
-        except OSError:
-            return ()
 
-    def config() -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration(
-            [(read_pem(key_file, "key"), read_pem(cert_file, "certificate"))])
-
-    seen = [stamp()]
+def server_credentials(cert: Certificate | None) -> grpc.ServerCredentials | None:
+    """TLS for a daemon's port from ``cert`` (None: plaintext), its files read
+    again for a new connection once they changed."""
+    if cert is None:
+        return None
+    version, (key, chain) = cert.current()
+    seen = [version]
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC asks at each handshake
-        now = stamp()
-        if now == seen[0]:
+        version, (key, chain) = cert.current()
+        if version == seen[0]:
             return None  # unchanged: the configuration in use stays
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
-            fresh = config()
-        except (DpexConfigError, ssl.SSLError, OSError) as e:  # e.g. the key replaced, the certificate not yet
-            _log.error("TLS certificate and key not read again (%s); those in use stay", e)
-            return None
-        seen[0] = now
-        _log.warning("TLS certificate and key read again from %s and %s", cert_file, key_file)
-        return fresh
+        seen[0] = version
+        return grpc.ssl_server_certificate_configuration([(key, chain)])
 
-    return grpc.dynamic_ssl_server_credentials(config(), fetch)
+    return grpc.dynamic_ssl_server_credentials(grpc.ssl_server_certificate_configuration([(key, chain)]), fetch)
 
 
 def is_loopback_host(host: str) -> bool:

@@ -36,8 +36,8 @@ def serve_until_signalled(server: Any, ready_file: str | None) -> None:
     if ready_file:
         tmp = f"{ready_file}.tmp"
         metrics = getattr(server, "metrics", None)
-        with open(tmp, "w") as f:  # the address, then the metrics port (if any)
-            f.write(server.address + (f"\n{metrics.port}" if metrics is not None else ""))
+        with open(tmp, "w") as f:  # the address, then the metrics port and scheme (if any)
+            f.write(server.address + (f"\n{metrics.port} {metrics.scheme}" if metrics is not None else ""))
         os.replace(tmp, ready_file)
     stops = {signal.SIGTERM, signal.SIGINT}
     while not stops & (got := set(os.read(wake_r, 64))):  # a byte per signal: its number
@@ -95,12 +95,13 @@ class Daemon:
     address: str
     log_path: str
     metrics_port: int | None = None  # with LocalCluster(metrics=True)
+    metrics_scheme: str = "http"     # https where the daemon serves TLS
 
     @property
     def metrics_url(self) -> str | None:
         if self.metrics_port is None:
             return None
-        return f"http://{self.address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
+        return f"{self.metrics_scheme}://{self.address.rsplit(':', 1)[0]}:{self.metrics_port}/metrics"
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -143,7 +144,7 @@ def await_ready(name: str, process: subprocess.Popen, ready: str, log_path: str,
         time.sleep(0.05)
     with open(ready) as f:
         address, *metrics = f.read().split()
-    return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None)
+    return Daemon(name, process, address, log_path, int(metrics[0]) if metrics else None, *metrics[1:2])
 
 
 def exit_reason(pid: int, code: int) -> str:

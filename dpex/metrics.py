@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dpex.errors import DpexConfigError
+
+if TYPE_CHECKING:
+    from dpex.auth import Certificate
 from dpex.proto import dispatcher_pb2 as dpb
 
 log = logging.getLogger("dpex.metrics")
+
+HANDSHAKE_TIMEOUT_S = 10.0  # an HTTPS client that starts no handshake is let go
 
 
 class _Snapshot(Collector):
@@ -41,14 +47,16 @@ class _Quiet(WSGIRequestHandler):
 
 
 class MetricsServer:
-    """An HTTP endpoint serving ``/metrics`` from ``collect`` (prometheus-client's
-    WSGI app, as at any path not in ``pages``) and each of ``pages`` at its path;
-    ``port`` is where."""
+    """An HTTP endpoint serving ``/metrics`` from ``collect`` and the process's
+    own ``process_*`` (prometheus-client's WSGI app, as at any path not in
+    ``pages``) and each of ``pages`` at its path; ``port`` is where. With
+    ``tls`` (the daemon's certificate), HTTPS, as its gRPC port."""
 
     def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]],
-                 pages: Mapping[str, Page] | None = None) -> None:
+                 pages: Mapping[str, Page] | None = None, tls: Certificate | None = None) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(collect))
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, _resident_memory_bytes, _open_fds...
         metrics, pages = make_wsgi_app(registry), dict(pages or {})
 
         def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
@@ -63,9 +71,32 @@ class MetricsServer:
                                       ("Cache-Control", "no-store")])
             return [body] if environ["REQUEST_METHOD"] == "GET" else [b""]
 
+        contexts: dict[int, ssl.SSLContext] = {}  # the certificate's version -> its context
+
         class Server(ThreadingMixIn, WSGIServer):
             daemon_threads = True
             address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0] if host else socket.AF_INET
+
+            def get_request(self) -> tuple[Any, Any]:
+                conn, peer = self.socket.accept()
+                if tls is None:
+                    return conn, peer
+                version, _ = tls.current()  # a renewed certificate is served from the next connection
+                if version not in contexts:
+                    contexts.clear()
+                    contexts[version] = tls.ssl_context()
+                # The handshake in the request's own thread (finish_request): a slow client holds only that.
+                return contexts[version].wrap_socket(conn, server_side=True, do_handshake_on_connect=False), peer
+
+            def finish_request(self, request: Any, client_address: Any) -> None:
+                if tls is not None:
+                    request.settimeout(HANDSHAKE_TIMEOUT_S)
+                    try:
+                        request.do_handshake()
+                    except (ssl.SSLError, OSError):  # plaintext at an HTTPS port, an untrusting client: not news
+                        return
+                    request.settimeout(None)
+                super().finish_request(request, client_address)
         try:
             self._server = make_server(host, port, app, Server, handler_class=_Quiet)
         except OSError as e:
@@ -73,8 +104,9 @@ class MetricsServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name="dpex-metrics", daemon=True)
         self._thread.start()
         self.port = self._server.server_port
-        log.info("metrics on http://%s:%d/metrics%s", host, self.port,
-                 "".join(f", http://{host}:{self.port}{path}" for path in pages))
+        self.scheme = scheme = "https" if tls is not None else "http"
+        log.info("metrics on %s://%s:%d/metrics%s", scheme, host, self.port,
+                 "".join(f", {scheme}://{host}:{self.port}{path}" for path in pages))
 
     def close(self) -> None:
         self._server.shutdown()
@@ -92,8 +124,8 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
 
 def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,
                  labels: list[str]) -> list[Metric]:
-    """Per-worker load, from a worker itself (no labels) or from the heartbeats
-    the dispatcher received (labelled by worker)."""
+    """Per-worker load, from a worker itself (no labels, ``dpex_worker_*``) or
+    from the heartbeats the dispatcher received (labelled by worker, ``dpex_reported_*``)."""
     families = {
         "busy_fraction": _gauge(f"{prefix}busy_fraction", "Fraction of the batch processes' time spent "
                                 "producing batches (last heartbeat window).", labels),
@@ -199,7 +231,8 @@ def dispatcher_metrics(status: dpb.GetStatusResponse) -> list[Metric]:
     alive = [w for w in status.workers if w.state == "alive"]
     for w in alive:
         heartbeat.add_metric([w.worker_id, w.address], w.seconds_since_heartbeat)
-    loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_worker_",
+    # Under names of the dispatcher's own: summed with the workers' own series, they would count twice.
+    loads = load_metrics([([w.worker_id, w.address], w.load) for w in alive], "dpex_reported_",
                          ["worker_id", "address"])
     return [build_info(status.versions), workers, jobs, wanted, assigned, reassigned, collected, forgotten,
             heartbeats, journal_errors, journal_failing, refused, planned, delivered, pending,

@@ -33,7 +33,7 @@ from dpex.dispatcher.reaper import Reaper
 from dpex.dispatcher import page
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex.auth import Tokens, is_loopback_host, server_credentials
+from dpex.auth import Tokens, certificate, is_loopback_host, server_credentials
 from dpex.metrics import MetricsServer, dispatcher_metrics
 from dpex.errors import DpexConfigError
 from dpex.rpc import add_async_health, add_servicer, listen, server_interceptors, server_options
@@ -80,6 +80,7 @@ class DispatcherServer:
     def __init__(self, config: DispatcherConfig) -> None:
         self.config = config
         self.tokens = Tokens(config.auth_token, config.auth_token_file)
+        self.certificate = certificate(config.tls_cert_file, config.tls_key_file)  # None: plaintext
         self.core = DispatcherCore(config)
         if self.core.store is not None:
             self.core.store.on_failing = self._journal_failing
@@ -95,7 +96,7 @@ class DispatcherServer:
             self.port = self._run(self._start(config))
             self.metrics = (MetricsServer(config.host, config.metrics_port,
                                           lambda: dispatcher_metrics(self.core.status()),
-                                          pages=page.pages(self.core.status))
+                                          pages=page.pages(self.core.status), tls=self.certificate)
                             if config.metrics_port is not None else None)
         except BaseException:
             self.close(0)
@@ -126,7 +127,7 @@ class DispatcherServer:
             self._healths.append(await add_async_health(server, "dpex.v1.Dispatcher"))
             self._servers.append(server)
             port = listen(server, f"{config.host}:{port}",  # 0: the first picks, the others join it
-                          server_credentials(config.tls_cert_file, config.tls_key_file))
+                          server_credentials(self.certificate))
             await server.start()
         return port
 

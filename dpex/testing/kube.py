@@ -249,10 +249,14 @@ def probe(ip: str, spec: dict[str, Any], timeout_s: float = 5.0) -> bool:
             return True
         except OSError:
             return False
+    import ssl
     import urllib.request
     get = spec["httpGet"]
+    scheme = get.get("scheme", "HTTP").lower()
+    unverified = ssl._create_unverified_context() if scheme == "https" else None  # as the kubelet's HTTPS probe
     try:
-        with urllib.request.urlopen(f"http://{ip}:{get['port']}{get.get('path', '/')}", timeout=timeout_s) as r:
+        with urllib.request.urlopen(f"{scheme}://{ip}:{get['port']}{get.get('path', '/')}", timeout=timeout_s,
+                                    context=unverified) as r:
             return 200 <= r.status < 400
     except OSError:
         return False

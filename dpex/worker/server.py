@@ -18,7 +18,7 @@ from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
 from dpex.errors import DpexConfigError
 from dpex import auth
-from dpex.auth import Tokens, answers, is_loopback_host, server_credentials
+from dpex.auth import Tokens, certificate, answers, is_loopback_host, server_credentials
 from dpex.keys import Refusals
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
@@ -88,6 +88,7 @@ class WorkerServer:
         check_data_paths(config.data_paths)
         self.config = config
         self.tokens = Tokens(config.auth_token, config.auth_token_file)
+        self.certificate = certificate(config.tls_cert_file, config.tls_key_file)  # None: plaintext
         self._closed = False
         self.pool = pool  # type: ignore[assignment]  # closed by close() if the start fails
         # grpc.aio on a loop of its own: an open Fetch stream is a coroutine, not a
@@ -133,7 +134,7 @@ class WorkerServer:
                                          spare_files=config.processes, data_port=self.data_port)
             self._health = self._loop.run(self._serve(self.service))
             if config.metrics_port is not None:  # scraped as soon as it serves, while it may still wait for the dispatcher
-                self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics)
+                self.metrics = MetricsServer(config.host, config.metrics_port, self._metrics, tls=self.certificate)
             self.agent = DispatcherAgent(config, self.address, self.scheduler, self._job_dir, self.tokens,
                                          on_refused=self._refused_by_dispatcher)
             self.agent.start()
@@ -155,7 +156,7 @@ class WorkerServer:
                                  options=server_options(4 << 20),  # trainers send only small requests
                                  interceptors=server_interceptors(self.tokens, aio=True))
         return server, listen(server, f"{config.host}:{config.port}",
-                              server_credentials(config.tls_cert_file, config.tls_key_file))
+                              server_credentials(self.certificate))
 
     def reload(self) -> None:
         """SIGHUP: the token file read again now (the TLS files are, at the next connection after a change)."""

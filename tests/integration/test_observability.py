@@ -62,7 +62,7 @@ def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
             def agreed(w=w):
                 own = scrape(w.metrics_url)
                 count = total(own, "dpex_worker_batches_produced_total")
-                reported = total(scrape(c.dispatcher.metrics_url), "dpex_worker_batches_produced_total",
+                reported = total(scrape(c.dispatcher.metrics_url), "dpex_reported_batches_produced_total",
                                  address=w.address)
                 idle = total(own, "dpex_worker_running_batches") == 0
                 return (count,) if idle and reported == count else None
@@ -72,6 +72,11 @@ def test_metrics_of_dispatcher_and_workers_follow_an_epoch_and_a_lost_worker():
         from dpex import version
         mine = dict(version=version.package(), protocol=version.PROTOCOL, torch=version.torch())
         assert total(d, "dpex_build_info", **mine) == 1  # what each daemon runs
+        # No series in both daemons' pages: a sum over all scraped targets counts each batch once.
+        assert not {n for n, _ in d if n.startswith("dpex_")} & {n for n, _ in scrape(survivors[0].metrics_url)
+                                                                  if n.startswith("dpex_") and n != "dpex_build_info"}
+        for page in (d, scrape(survivors[0].metrics_url)):  # the process's own, as any Prometheus client's
+            assert total(page, "process_resident_memory_bytes") > 0 and total(page, "process_open_fds") > 0
         for w in survivors:
             page = scrape(w.metrics_url)
             assert total(page, "dpex_build_info", **mine) == 1

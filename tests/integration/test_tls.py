@@ -1,5 +1,8 @@
 """TLS on every port, with a CA and a server certificate the test makes."""
 import os
+import ssl
+import urllib.error
+import urllib.request
 
 import pytest
 import dpex
@@ -97,21 +100,36 @@ def test_a_renewed_certificate_is_served_with_no_restart(tmp_path):
     shutil.copy(first[1], live / "tls.key")
     ready = tmp_path / "ready"
     proc = subprocess.Popen([command("dpex-dispatcher"), "--host", "127.0.0.1", "--port", "0", "--ready-file",
-                             str(ready), "--tls-cert", str(live / "tls.crt"), "--tls-key", str(live / "tls.key")],
+                             str(ready), "--tls-cert", str(live / "tls.crt"), "--tls-key", str(live / "tls.key"),
+                             "--metrics-port", "0"],
                             env={k: v for k, v in os.environ.items() if k != "DPEX_PORT"})
     try:
         wait_until(ready.exists, 60, "the dispatcher")
-        address = "localhost:" + ready.read_text().splitlines()[0].rsplit(":", 1)[1]
+        grpc_address, metrics = ready.read_text().splitlines()
+        address = "localhost:" + grpc_address.rsplit(":", 1)[1]
+        metrics_url = f"https://localhost:{metrics.split()[0]}/metrics"
+        assert metrics.split()[1] == "https"
 
         def serves_with(ca: str) -> bool:
-            return run("dpex", "health", address, "--tls-ca", ca, "--timeout", "5").returncode == 0
+            grpc_ok = run("dpex", "health", address, "--tls-ca", ca, "--timeout", "5").returncode == 0
+            return grpc_ok and scrapes_with(ca)
+
+        def scrapes_with(ca: str) -> bool:
+            try:
+                page = urllib.request.urlopen(metrics_url, timeout=10, context=ssl.create_default_context(cafile=ca))
+            except urllib.error.URLError as e:
+                assert isinstance(e.reason, ssl.SSLCertVerificationError), e
+                return False
+            return b"dpex_build_info" in page.read()
 
         assert serves_with(first[2]) and not serves_with(second[2])
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext HTTP at HTTPS: nothing served
+            urllib.request.urlopen(metrics_url.replace("https", "http"), timeout=10)
         for name, source in (("tls.key", second[1]), ("tls.crt", second[0])):  # each file replaced whole
             shutil.copy(source, live / f"{name}.new")
             os.replace(live / f"{name}.new", live / name)
         wait_until(lambda: serves_with(second[2]), 30, "the renewed certificate")
-        assert not serves_with(first[2]) and proc.poll() is None
+        assert not serves_with(first[2]) and not scrapes_with(first[2]) and proc.poll() is None
     finally:
         proc.terminate()
         proc.wait(30)

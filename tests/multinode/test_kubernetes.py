@@ -285,14 +285,19 @@ def test_rendered_pods_probe_stream_an_epoch_and_drain(variant, tmp_path):
         wait_until(lambda: "cannot reach dispatcher dpex-dispatcher:7070" in first.log(), 60, "worker1's warning")
         dispatcher = pods.start("dispatcher", dispatcher_set)
         second = pods.start("worker2", workers, {"/data": data["worker2"]})
-        for pod in (dispatcher, first, second):
+        for pod, workload in ((dispatcher, dispatcher_set), (first, workers), (second, workers)):
             for kind in [k for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in pod.container]:
                 wait_until(lambda: pods.probe(pod, pod.container[kind], "trainer") or pod.process.poll() is not None,
                            120, f"{pod.name}'s {kind}")
                 assert pod.process.poll() is None, pod.log()[-3000:]
             port = pod.container["args"][pod.container["args"].index("--metrics-port") + 1]
-            scrape = {"httpGet": {"port": int(port), "path": "/metrics"}}
+            annotations = workload["spec"]["template"]["metadata"]["annotations"]
+            scheme = annotations.get("prometheus.io/scheme", "http")
+            assert scheme == ("https" if "tls" in variant else "http")  # TLS serves its metrics over TLS too
+            scrape = {"httpGet": {"port": int(port), "path": "/metrics", "scheme": scheme.upper()}}
             assert pods.probe(pod, scrape, "trainer"), f"no metrics where {pod.name}'s annotations point"
+            plain = {"httpGet": {"port": int(port), "path": "/metrics", "scheme": "HTTP"}}
+            assert pods.probe(pod, plain, "trainer") == (scheme == "http")
         trainer = subprocess.run(["ip", "netns", "exec", pods.net.ns("trainer"), sys.executable, "-c",
                                   TRAINER.format(samples=SAMPLES)], env=env, capture_output=True, text=True,
                                  timeout=300)
