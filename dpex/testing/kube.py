@@ -165,9 +165,10 @@ class Pods:
         ip = self.host(name)
         self.add_dns(f"{ip.replace('.', '-')}.{self.namespace}.pod.cluster.local", ip)  # the pod's own DNS name
         bin_dir = os.path.dirname(sys.executable)  # the image's PATH: the package's commands
-        command = [shutil.which(container["command"][0], path=f"{bin_dir}:/usr/bin:/bin"),
-                   *container["command"][1:]]
-        argv = [_local(a, mounted) for a in command + container.get("args", [])]
+        # The image's command, found on this host (its path is the host's: not mapped as the pod's paths are,
+        # which matters where the checkout lies under a mount path, /tmp say).
+        executable = shutil.which(container["command"][0], path=f"{bin_dir}:/usr/bin:/bin")
+        argv = [executable, *(_local(a, mounted) for a in container["command"][1:] + container.get("args", []))]
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                **container_env(container, ip, self.secrets, mounted, self.namespace)}
