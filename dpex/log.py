@@ -79,6 +79,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+def fatal_json(message: str, logger: str = "dpex") -> str:
+    """A fatal start-up error as one JSON line of ``--log-format json`` (level critical)."""
+    record = logging.LogRecord(logger, logging.CRITICAL, __file__, 0, message, None, None)
+    return JsonFormatter().format(record)
+
+
 def setup(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())

@@ -2,6 +2,10 @@
 (serving until signalled is dpex.daemon's)."""
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 import click
 
 from dpex.procutil import die_with_parent_from_env
@@ -13,6 +17,39 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     die_with_parent_from_env()  # started by a LocalCluster: stop with it
     from dpex.log import setup
     setup(level, fmt)
+
+
+def _json_wanted(args: list[str]) -> bool:
+    """Whether ``--log-format json`` (or DPEX_LOG_FORMAT=json) is asked for, read before click parses."""
+    for i, arg in enumerate(args):
+        if arg == "--log-format" and i + 1 < len(args):
+            return args[i + 1] == "json"
+        if arg.startswith("--log-format="):
+            return arg.split("=", 1)[1] == "json"
+    return os.environ.get("DPEX_LOG_FORMAT") == "json"
+
+
+class DaemonCommand(click.Command):
+    """A daemon's command: with ``--log-format json``, a fatal start-up error
+    (a bad flag, a port in use, an unreachable dispatcher) is one JSON line
+    on stderr, as its log lines are, not click's ``Error: ...``."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode or not _json_wanted(argv):
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        from dpex.log import fatal_json
+        logger = "dpex." + os.path.basename(prog_name or sys.argv[0]).removeprefix("dpex-")  # dpex.worker
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            click.echo(fatal_json(e.format_message(), logger), err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo(fatal_json("aborted", logger), err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 def version_option(fn):

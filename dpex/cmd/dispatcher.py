@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import (auth_options, fail, log_options, message_limit_option, metrics_option, setup_logging,
+from dpex.cmd.common import (DaemonCommand, auth_options, fail, log_options, message_limit_option, metrics_option, setup_logging,
                              version_option)
 from dpex.daemon import exit_now, serve_until_signalled
 from dpex.config import DispatcherConfig
@@ -13,7 +13,7 @@ from dpex.errors import DpexError
 _D = DispatcherConfig  # its fields' defaults are the flags'
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(cls=DaemonCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @version_option
 @click.option("--port", type=int, default=_D.port, envvar="DPEX_PORT", show_envvar=True,
               help="Port to listen on (0 picks a free one).")

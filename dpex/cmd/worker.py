@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from dpex.auth import load_token
-from dpex.cmd.common import (ByteSize, auth_options, fail, log_options, message_limit_option, metrics_option,
+from dpex.cmd.common import (DaemonCommand, ByteSize, auth_options, fail, log_options, message_limit_option, metrics_option,
                              setup_logging, tls_ca_option, version_option)
 from dpex.config import WorkerConfig
 from dpex.daemon import exit_now
@@ -14,7 +14,7 @@ from dpex.procutil import reuse_freed_memory
 _W = WorkerConfig  # its fields' defaults are the flags'
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(cls=DaemonCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @version_option
 @click.option("--dispatcher", required=True, envvar="DPEX_DISPATCHER", show_envvar=True,
               help="The dispatcher's HOST:PORT.")

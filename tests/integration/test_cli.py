@@ -195,3 +195,20 @@ def test_a_failure_names_the_flags_set_from_the_environment(tmp_path):
     finally:
         taken.close()
     assert out.returncode == 1 and f"--port={port} from $DPEX_PORT" in out.stderr, out.stderr[-2000:]
+
+
+def test_with_json_logs_a_fatal_start_up_error_is_one_json_line():
+    """A log pipeline that parses JSON lines gets a daemon's last words too: a flag click refuses, a
+    value the config refuses, an unreachable dispatcher."""
+    cases = [(("dpex-dispatcher", "--log-format", "json", "--port", "http"), 2, "dpex.dispatcher", "not a valid integer"),
+             (("dpex-dispatcher", "--log-format=json", "--heartbeat-timeout", "0.1", "--heartbeat-interval", "1"), 1,
+              "dpex.dispatcher", "heartbeat_timeout_s must exceed"),
+             (("dpex-worker", "--dispatcher", "127.0.0.1:1", "--connect-timeout", "0.3", "--processes", "1"), 1,
+              "dpex.worker", "cannot reach dispatcher 127.0.0.1:1")]
+    for args, code, logger, words in cases:
+        out = run(*args, env={"DPEX_LOG_FORMAT": "json"})
+        assert out.returncode == code, out.stderr
+        last = json.loads(out.stderr.strip().splitlines()[-1])
+        assert last["level"] == "critical" and last["logger"] == logger and words in last["msg"], last
+    out = run("dpex-dispatcher", "--port", "http", unset=("DPEX_LOG_FORMAT",))  # text: click's own words
+    assert out.returncode == 2 and "Error: Invalid value for '--port'" in out.stderr
