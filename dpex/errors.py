@@ -159,6 +159,23 @@ def remote(kind: type, message: str, *, stage: str, worker: str, sample_index: i
     return error
 
 
+# What went wrong in a batch, for the worker's dpex_worker_errors_total{kind}.
+BATCH_ERROR_KINDS = ("user_code", "process_death", "plan", "wire")
+
+
+def kind_of(error) -> str:
+    """A batch's error (a dpex.v1.RemoteError) as one of BATCH_ERROR_KINDS: its
+    process died, its split's indices could not be computed, its value could
+    not be encoded, or the user's code (dataset, collate, worker_init_fn) raised."""
+    if error.stage == "process":
+        return "process_death"
+    if error.stage == "plan":
+        return "plan"
+    if error.stage == "encode" or error.type_ref == f"{__name__}:DpexWireError":
+        return "wire"
+    return "user_code"
+
+
 def rebuild(error, batch: str = "") -> DpexWorkerError:
     """The worker's exception as the trainer raises it: of its own type where
     that type is known here and takes a message (as torch's ExceptionWrapper

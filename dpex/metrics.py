@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dpex.errors import DpexConfigError
+from dpex.latency import BOUNDS, Latencies
 
 if TYPE_CHECKING:
     from dpex.auth import Certificate
@@ -120,6 +121,40 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 
 def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=labels)
+
+
+def histogram(name: str, doc: str, latencies: Latencies, labels: list[str] | None = None) -> Metric:
+    """``latencies`` as a Prometheus histogram (``NAME_bucket{le}``, ``_sum``, ``_count``)."""
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    bounds = [repr(b) for b in BOUNDS] + ["+Inf"]
+    for values, counts, sum_s in latencies.series():
+        cumulative, running = [], 0
+        for bound, count in zip(bounds, counts):
+            running += count
+            cumulative.append((bound, running))
+        family.add_metric(list(values), cumulative, sum_s)
+    return family
+
+
+def errors(name: str, doc: str, by_kind: Mapping[str, int], kinds: Iterable[str]) -> Metric:
+    """``NAME_total{kind}``: each of ``kinds`` (0 until it happens), and any other kind counted."""
+    family = _counter(name, doc, ["kind"])
+    for kind in sorted(set(kinds) | set(by_kind)):
+        family.add_metric([kind], by_kind.get(kind, 0))
+    return family
+
+
+def journal_metrics(log_bytes: int, snapshot_bytes: int, compactions: int, fsyncs: Latencies) -> list[Metric]:
+    """The dispatcher's journal in --work-dir: its size, compactions and fsyncs."""
+    size = _gauge("dpex_journal_bytes", "Bytes of the journal in --work-dir, by file: log (appended since the "
+                  "last compaction), snapshot.", ["file"])
+    size.add_metric(["log"], log_bytes)
+    size.add_metric(["snapshot"], snapshot_bytes)
+    compacted = _counter("dpex_journal_compactions", "Snapshots written (the log started again from them) since "
+                         "the dispatcher started.")
+    compacted.add_metric([], compactions)
+    return [size, compacted, histogram("dpex_journal_fsync_seconds", "Seconds each fsync of the journal's log "
+                                       "took (one for a group of changes).", fsyncs)]
 
 
 def load_metrics(loads: list[tuple[list[str], dpb.WorkerLoad]], prefix: str,

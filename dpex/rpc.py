@@ -19,6 +19,7 @@ from google.protobuf import message_factory
 from dpex import errors
 from dpex.address import check_address
 from dpex.auth import AsyncTokenCheck, TokenCheck, Tokens, with_token
+from dpex.latency import Latencies
 
 log = logging.getLogger("dpex.rpc")
 
@@ -391,8 +392,42 @@ async def add_async_health(server: grpc.aio.Server, service: str) -> Any:
     return servicer
 
 
-def server_interceptors(tokens: Tokens | str | None, aio: bool = False) -> list[grpc.ServerInterceptor]:
-    return [(AsyncTokenCheck if aio else TokenCheck)(tokens)] if tokens else []
+class AsyncTimer(grpc.aio.ServerInterceptor):
+    """Times each unary call's handler into ``latencies`` by method name
+    (a sync handler stays sync: the server runs it in its thread pool)."""
+
+    def __init__(self, latencies: Latencies) -> None:
+        self._latencies = latencies
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # a stream's life is not a latency
+        inner, method = handler.unary_unary, details.method.rsplit("/", 1)[-1]
+        observe = self._latencies.observe
+        if inspect.iscoroutinefunction(inner):
+            async def timed(request: Any, context: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await inner(request, context)
+                finally:
+                    observe(time.perf_counter() - start, method)
+        else:
+            def timed(request: Any, context: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return inner(request, context)
+                finally:
+                    observe(time.perf_counter() - start, method)
+        return handler._replace(unary_unary=timed)
+
+
+def server_interceptors(tokens: Tokens | str | None, aio: bool = False,
+                        latencies: Latencies | None = None) -> list[grpc.ServerInterceptor]:
+    """The token check (with a token), then, on a ``grpc.aio`` server with
+    ``latencies``, the calls' timing (refused calls are not timed)."""
+    checks: list[grpc.ServerInterceptor] = [(AsyncTokenCheck if aio else TokenCheck)(tokens)] if tokens else []
+    return checks + ([AsyncTimer(latencies)] if aio and latencies is not None else [])
 
 
 def answers_tcp(address: str, timeout_s: float) -> bool:

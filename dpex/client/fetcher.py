@@ -145,12 +145,15 @@ class Control:
         with self._lock:
             acks, self._acks = self._acks, []
         count = self.count
+        waits = self._meter.waits.counts()
         try:
             response = call(self._stub.SyncConsumer,
                         dpb.SyncConsumerRequest(**self._names, delivered_seqs=acks, next_seq=self.next_seq,
                                                 owners_digest=digest, wait_s=wait_s,
                                                 ready=count.ready, total=count.total, gate=gate, even_batches=rule,
                                                 workers_needed=self._need(), verdict=self._meter.recent_verdict(),
+                                                waits=dpb.Latency(counts=waits.counts, sum_s=waits.sum_s)
+                                                if waits.total else None,
                                                 **dict(zip(("wait_fraction", "batches_per_s"),
                                                            self._meter.recent()))),
                         target=self._target, timeout_s=wait_s + 30, retry_for_s=self._retry_for_s,

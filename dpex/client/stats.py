@@ -11,6 +11,7 @@ from typing import Any
 
 from dpex import bottleneck
 from dpex.bottleneck import INPUT_BOUND_WAIT_FRACTION, MAX_SCALE_STEP, Figures
+from dpex.latency import Latencies
 from dpex.proto.dispatcher_pb2 import Verdict
 
 __all__ = ["INPUT_BOUND_WAIT_FRACTION", "MAX_SCALE_STEP", "LoaderStats", "StatsMeter"]
@@ -134,6 +135,7 @@ class StatsMeter:
         self._recent = 0
         self._verdict: Verdict | None = None  # the last window's (its wait share and rate too), for the dispatcher
         self._evened = [0, 0]  # batches dropped and repeated by even_batches, since the start or reset
+        self.waits = Latencies()  # each batch's wait in next(), since the loader began (the syncs report them)
 
     def record(self, epoch: object, asked_at: float, nbytes: int) -> None:
         """A batch of ``epoch`` (a key, not the iterator: the meter must not
@@ -144,6 +146,7 @@ class StatsMeter:
             self._last = (epoch, now)
             for sums in (self._total, self._window):
                 sums.taken(now - since, now - asked_at, nbytes)
+        self.waits.observe(now - asked_at)
 
     def received(self, address: str, times: Any | None, receive_s: float, decode_s: float,
                  processes: int = 0) -> None:

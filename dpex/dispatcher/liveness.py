@@ -7,6 +7,7 @@ import time
 from typing import Callable, Iterable
 
 from dpex import bottleneck
+from dpex.latency import Latencies
 from dpex.proto import dispatcher_pb2 as dpb
 
 
@@ -23,6 +24,8 @@ class Liveness:
         # (job, consumer) -> (share of time waiting, batches per second, when), as the trainer last measured
         self._demand: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._verdicts: dict[tuple[int, int], tuple[dpb.Verdict, float]] = {}  # (job, consumer) -> (its last, when)
+        self.waits = Latencies()      # by job id: the seconds its trainers waited for each batch, as they reported
+        self.consumer_timeouts = 0    # consumers released for their silence
 
     # ---- heard from ----------------------------------------------------------
     def worker(self, worker_id: str, load: dpb.WorkerLoad | None = None) -> None:
@@ -32,8 +35,11 @@ class Liveness:
             self.loads[worker_id] = load
 
     def consumer(self, job_id: int, consumer: int, workers_needed: int = 0, wait_fraction: float = 0.0,
-                 batches_per_s: float = 0.0, verdict: dpb.Verdict | None = None) -> None:
+                 batches_per_s: float = 0.0, verdict: dpb.Verdict | None = None,
+                 waits: dpb.Latency | None = None, client_id: int = 0) -> None:
         now = self._consumers[(job_id, consumer)] = self._jobs[job_id] = self.clock()
+        if waits is not None and waits.counts:  # the loader's since it began: what grew is added
+            self.waits.grew((job_id, consumer, client_id), list(waits.counts), waits.sum_s, str(job_id))
         self._released.discard((job_id, consumer))  # heard of with a plan: whatever fails later is not that
         if workers_needed:
             self._needs[(job_id, consumer)] = (workers_needed, now)
@@ -89,6 +95,7 @@ class Liveness:
         """The reaper released the consumer's plan for its silence: a trainer
         that was only stalled and syncs again is told so (:meth:`was_released`)."""
         self._released.add((job_id, consumer))
+        self.consumer_timeouts += 1
         while len(self._released) > 4096:
             self._released.pop()
 
@@ -114,6 +121,7 @@ class Liveness:
 
     def forget_job(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
+        self.waits.forget(lambda labels: labels != (str(job_id),), lambda reporter: reporter[0] != job_id)
         for table in (self._consumers, self._needs, self._demand):
             for key in [k for k in table if k[0] == job_id]:
                 del table[key]

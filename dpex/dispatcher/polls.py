@@ -85,7 +85,8 @@ async def sync(core: Journaled, request: dpb.SyncConsumerRequest, peer: str) -> 
             # replaced it, which has not given those batches. Nothing is marked or asked.
             return dpb.SyncConsumerResponse()
         core.seen.consumer(request.job_id, request.consumer_index, request.workers_needed, request.wait_fraction,
-                           request.batches_per_s, request.verdict if request.HasField("verdict") else None)
+                           request.batches_per_s, request.verdict if request.HasField("verdict") else None,
+                           request.waits if request.HasField("waits") else None, request.client_id)
         consumers = job.definition.num_consumers
         if consumers > 1 and core.counts.tell(request.job_id, request.epoch, request.consumer_index, even.Count(
                 request.ready, request.total if request.HasField("total") else None)):

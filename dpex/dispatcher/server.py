@@ -34,6 +34,8 @@ from dpex.dispatcher import page
 from dpex.dispatcher.service import DispatcherService
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.auth import Tokens, certificate, is_loopback_host, server_credentials
+from dpex import metrics
+from dpex.latency import Latencies
 from dpex.metrics import MetricsServer, dispatcher_metrics
 from dpex.errors import DpexConfigError
 from dpex.rpc import add_async_health, add_servicer, listen, server_interceptors, server_options
@@ -81,6 +83,7 @@ class DispatcherServer:
         self.config = config
         self.tokens = Tokens(config.auth_token, config.auth_token_file)
         self.certificate = certificate(config.tls_cert_file, config.tls_key_file)  # None: plaintext
+        self.rpc_seconds = Latencies()  # each call's handler, by method
         self.core = DispatcherCore(config)
         if self.core.store is not None:
             self.core.store.on_failing = self._journal_failing
@@ -95,7 +98,7 @@ class DispatcherServer:
         try:
             self.port = self._run(self._start(config))
             self.metrics = (MetricsServer(config.host, config.metrics_port,
-                                          lambda: dispatcher_metrics(self.core.status()),
+                                          self._metrics,
                                           pages=page.pages(self.core.status), tls=self.certificate)
                             if config.metrics_port is not None else None)
         except BaseException:
@@ -122,7 +125,8 @@ class DispatcherServer:
         port = config.port
         for _ in range(ACCEPTORS):
             server = grpc.aio.server(pool, options=options + FLEET_OPTIONS + [("grpc.so_reuseport", 1)],
-                                     interceptors=server_interceptors(self.tokens, aio=True))
+                                     interceptors=server_interceptors(self.tokens, aio=True,
+                                                                      latencies=self.rpc_seconds))
             add_servicer(server, self.service, dpb.DESCRIPTOR.services_by_name["Dispatcher"])
             self._healths.append(await add_async_health(server, "dpex.v1.Dispatcher"))
             self._servers.append(server)
@@ -130,6 +134,29 @@ class DispatcherServer:
                           server_credentials(self.certificate))
             await server.start()
         return port
+
+    def _metrics(self) -> list:
+        """The status's metrics, and what it does not carry: latencies, the journal's size, failures by kind."""
+        status, seen, store = self.core.status(), self.core.seen, self.core.store
+        names = {str(j.job_id): j.name for j in status.jobs}
+        waits = Latencies()  # labelled by job id and name, as the status's job metrics are
+        for (job_id,), counts, sum_s in seen.waits.series():
+            waits.add(counts, sum_s, job_id, names.get(job_id, ""))
+        out = [*dispatcher_metrics(status),
+               metrics.histogram("dpex_rpc_seconds", "Seconds each call took to answer, by method (long polls "
+                                 "included: a heartbeat or a sync may wait for news).", self.rpc_seconds, ["method"]),
+               metrics.histogram("dpex_job_wait_seconds", "Seconds the job's trainers waited in next() for each "
+                                 "batch, as they reported with their syncs.", waits, ["job_id", "job_name"]),
+               metrics.errors("dpex_errors", "Failures by kind: consumers released after --consumer-timeout "
+                              "without a sync (consumer_timeout), calls refused (auth), journal writes that "
+                              "failed (journal_write).",
+                              {"consumer_timeout": seen.consumer_timeouts,
+                               "auth": sum(status.refused_calls_total.values()),
+                               "journal_write": status.journal_write_errors_total},
+                              ("consumer_timeout", "auth", "journal_write"))]
+        if store is not None:
+            out += metrics.journal_metrics(*store.size, store.snapshots_written, store.sync_seconds)
+        return out
 
     def _journal_failing(self, failing: bool) -> None:
         """Health says NOT_SERVING while the journal cannot be written (its

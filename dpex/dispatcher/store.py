@@ -30,6 +30,7 @@ import os
 import re
 import struct
 import threading
+import time
 import zlib
 from typing import Callable, NoReturn
 
@@ -37,6 +38,7 @@ from dpex.dispatcher import snapshot
 from dpex.dispatcher.journal import Journal, fsync_dir
 from dpex.dispatcher.state import DispatcherState
 from dpex.errors import DpexConfigError, DpexConnectionError, DpexError
+from dpex.latency import Latencies
 from dpex.proto import journal_pb2 as jpb
 
 log = logging.getLogger("dpex.dispatcher")
@@ -78,6 +80,7 @@ class Store:
         self.appended = 0  # records appended since recover()
         self.durable = 0   # of which durable (fsync'd, or covered by a snapshot)
         self.syncs = 0     # fsyncs of the log
+        self.sync_seconds = Latencies()  # each fsync of the log
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)    # appended (the sync thread waits on it)
         self._synced = threading.Condition(self._lock)  # made durable (settle waits on it)
@@ -113,6 +116,11 @@ class Store:
     @property
     def path(self) -> str:
         return self.journal.path
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(the log's bytes, the snapshot's bytes): what the work dir holds of the state."""
+        return self.journal.size, self._snapshot_bytes
 
     def refuse(self, error: OSError, what: str) -> NoReturn:
         """A write of the work dir's (``what``: its journal, its plan files) failed
@@ -175,7 +183,9 @@ class Store:
                 target = self.appended
             try:
                 with self._io:
+                    started = time.perf_counter()
                     self.journal.sync()
+                    self.sync_seconds.observe(time.perf_counter() - started)
             except OSError as e:  # the disk failed: no answer may claim durability from here on
                 error = DpexError(f"the dispatcher cannot make its journal in {self.work_dir} durable "
                                   f"({e}); every call fails until it is restarted (it then recovers "

@@ -125,3 +125,18 @@ def parse_frame(frame: Any) -> tuple[wpb.Batch, Any]:
     except Exception as e:
         raise DpexWireError(f"corrupt batch frame: {e}") from e
     return meta, payload
+
+
+def error_of(frame: Any) -> wpb.RemoteError | None:
+    """The error a frame carries instead of a batch (None: a batch, or a
+    frame not in memory here, as a hand-off file's)."""
+    if not isinstance(frame, (bytes, bytearray)):
+        return None
+    view = memoryview(frame)
+    try:
+        for field, wire_type, _, value, end in _fields(view):
+            if field == 6 and wire_type == 2 and end <= len(view):
+                return wpb.RemoteError.FromString(view[value:end])
+    except Exception:  # noqa: BLE001 - not a frame this can read: not counted as an error
+        return None
+    return None

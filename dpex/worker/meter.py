@@ -3,8 +3,11 @@ sent, and how busy its processes are. The heartbeat reports it to the
 dispatcher (for ``dpex status``) and the metrics endpoint exports it."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
+
+from dpex.latency import Latencies
 
 from dpex.proto import dispatcher_pb2 as dpb
 
@@ -25,6 +28,8 @@ class Meter:
         self._since = time.monotonic()
         self._window = (self._since, 0.0)  # (time, busy_s) at the last window() call
         self.busy_fraction = 0.0      # as of the last window() call
+        self.produce_seconds = Latencies()  # each batch, from its start to made (by the pool or a sharer)
+        self.errors: collections.Counter[str] = collections.Counter()  # batches failed, by errors.kind_of
 
     def _integrate(self, now: float) -> None:
         self.busy_s += min(self._running, self.processes) * (now - self._since)
@@ -36,10 +41,14 @@ class Meter:
             self._integrate(time.monotonic())
             self._running = count
 
-    def produced(self, nbytes: int) -> None:
+    def produced(self, nbytes: int, seconds: float, error: str | None = None) -> None:
+        """A batch was made in ``seconds`` (``error``: its frame is that kind of error)."""
+        self.produce_seconds.observe(seconds)
         with self._lock:
             self.batches_produced += 1
             self.bytes_produced += nbytes
+            if error is not None:
+                self.errors[error] += 1
 
     def sent(self, nbytes: int) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from dpex.proto import dispatcher_pb2 as dpb
-from dpex import shm
+from dpex import errors, shm
 from dpex.worker import capacity, picking
 from dpex.worker.budget import Budget, Consumer
 from dpex.worker.meter import Meter
@@ -35,6 +35,7 @@ from dpex.worker.pool import BatchPool
 from dpex.worker.queues import Queues
 from dpex.worker import runners
 from dpex.wire.batchkey import Key
+from dpex.wire.frame import error_of
 from dpex.worker.runners import Frame, Held, MapRunner, Sink, SplitRunner
 from dpex.worker.samples import tiers_bytes
 from dpex.worker.sharing import Shared, content_key
@@ -257,7 +258,8 @@ class Scheduler:
                     return
                 self._running[key] = runner
                 self.meter.running(len(self._running))
-                made.add_done_callback(lambda f, key=key, runner=runner: self._done(runner, key, f.result()))
+                made.add_done_callback(lambda f, key=key, runner=runner, started=time.monotonic():
+                                       self._done(runner, key, f.result(), started))
 
     def _start(self, runner: MapRunner, key: Key) -> Future:
         """Makes batch ``key``: from a batch of equal content that another job
@@ -278,8 +280,10 @@ class Scheduler:
             self._following.add(key)
         return made
 
-    def _done(self, runner: MapRunner, key: Key, frame: Frame) -> None:
-        self.meter.produced(shm.size_of(frame))
+    def _done(self, runner: MapRunner, key: Key, frame: Frame, started: float) -> None:
+        error = error_of(frame)
+        self.meter.produced(shm.size_of(frame), time.monotonic() - started,
+                            None if error is None else errors.kind_of(error))
         with self._cond:
             if self._running.get(key) is runner:
                 del self._running[key]

@@ -16,10 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dpex.aio import LoopThread
 from dpex.config import WorkerConfig
-from dpex.errors import DpexConfigError
+from dpex.errors import BATCH_ERROR_KINDS, DpexConfigError
 from dpex import auth
 from dpex.auth import Tokens, certificate, answers, is_loopback_host, server_credentials
 from dpex.keys import Refusals
+from dpex import metrics
+from dpex.latency import Latencies
 from dpex.metrics import MetricsServer, build_info, load_metrics
 from dpex.version import versions
 from dpex.procutil import temp_dir
@@ -89,6 +91,7 @@ class WorkerServer:
         self.config = config
         self.tokens = Tokens(config.auth_token, config.auth_token_file)
         self.certificate = certificate(config.tls_cert_file, config.tls_key_file)  # None: plaintext
+        self.rpc_seconds = Latencies()  # each unary call's handler, by method
         self._closed = False
         self.pool = pool  # type: ignore[assignment]  # closed by close() if the start fails
         # grpc.aio on a loop of its own: an open Fetch stream is a coroutine, not a
@@ -154,7 +157,7 @@ class WorkerServer:
     async def _listen(self, config: WorkerConfig) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(self._rpc_threads,
                                  options=server_options(4 << 20),  # trainers send only small requests
-                                 interceptors=server_interceptors(self.tokens, aio=True))
+                                 interceptors=server_interceptors(self.tokens, aio=True, latencies=self.rpc_seconds))
         return server, listen(server, f"{config.host}:{config.port}",
                               server_credentials(self.certificate))
 
@@ -203,10 +206,20 @@ class WorkerServer:
         calls_refused = CounterMetricFamily("dpex_worker_refused_calls", "Calls refused, by reason: a wrong "
                                             "or missing token, a job's key (another job's batches), a peer "
                                             "beyond loopback without a token.", labels=["reason"])
-        for reason, count in sorted((self.refusals.counts + auth.refusals.counts).items()):
+        refusals = self.refusals.counts + auth.refusals.counts
+        for reason, count in sorted(refusals.items()):
             calls_refused.add_metric([reason], count)
+        meter = self.scheduler.meter
+        failed = metrics.errors("dpex_worker_errors", "Failures by kind: batches whose user code raised "
+                                "(user_code), whose batch process died (process_death), whose split could not be "
+                                "planned (plan) or encoded (wire); calls refused (auth).",
+                                {**meter.errors, "auth": sum(refusals.values())}, (*BATCH_ERROR_KINDS, "auth"))
+        produce = metrics.histogram("dpex_worker_batch_seconds", "Seconds from a batch's start to made (a "
+                                    "wait for a free batch process included).", meter.produce_seconds)
+        rpcs = metrics.histogram("dpex_worker_rpc_seconds", "Seconds each unary call took to answer, by method "
+                                 "(Fetch streams are not timed).", self.rpc_seconds, ["method"])
         return [build_info(versions()), held, busy, shm_bytes, ready, ready_bytes, limit, refused, calls_refused,
-                *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
+                failed, produce, rpcs, *load_metrics([([], self.scheduler.load())], "dpex_worker_", [])]
 
     def _is_job_key(self, job_id: int, given: bytes) -> bool | None:
         return None if self.agent is None else self.agent.is_job_key(job_id, given)

@@ -6,6 +6,7 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dpex
@@ -171,3 +172,35 @@ def test_json_logs_carry_worker_and_job_ids():
     assert all(e["worker_id"] == registered["worker_id"] for e in worker_lines
                if e["msg"] != "registered with the dispatcher" and "worker serving" in e["msg"])
     assert any(e["worker_id"] == registered["worker_id"] for e in worker_lines)
+
+
+def test_latencies_failures_and_the_journal_for_on_call(tmp_path):
+    """What an on-call engineer reads: the calls' and the batches' latencies, the trainers' waits by
+    job, failures by kind on each daemon (a dataset that raises, a batch process killed), the journal's
+    size, compactions and fsyncs."""
+    with test_cluster(num_workers=1, metrics=True, work_dir=str(tmp_path / "journal")) as c:
+        spec = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=N, delay_s=0.001)
+        with dpex.RemoteDataLoader(c.address, spec, batch_size=B, job_name="timed", timeout=60) as dl:
+            assert sum(len(b["y"]) for b in dl) == N
+            job_id = str(dl.job_id)
+        for target, word in (("Faulty", "ZeroDivisionError"), ("Crashing", "killed by signal")):
+            with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec(f"dpex.testing.datasets:{target}", n=16, bad=5),
+                                       batch_size=B, timeout=60) as dl:
+                with pytest.raises(Exception, match=word):
+                    list(dl)
+        d, w = scrape(c.dispatcher.metrics_url), scrape(c.workers[0].metrics_url)
+    # Every batch of "timed" waited for in next() and reported: N // B observations of its job.
+    assert total(d, "dpex_job_wait_seconds_count", job_id=job_id, job_name="timed") == N // B
+    assert total(d, "dpex_job_wait_seconds_bucket", job_id=job_id, le="+Inf") == N // B
+    assert total(d, "dpex_job_wait_seconds_sum", job_id=job_id) > 0
+    assert total(d, "dpex_rpc_seconds_count", method="SubmitPlan") >= 3
+    assert total(d, "dpex_rpc_seconds_count", method="WorkerHeartbeat") > 0
+    assert total(d, "dpex_errors_total", kind="consumer_timeout") == 0 and total(d, "dpex_errors_total", kind="auth") == 0
+    assert total(d, "dpex_journal_bytes", file="log") > 0 and total(d, "dpex_journal_fsync_seconds_count") > 0
+    assert ("dpex_journal_compactions_total", ()) in d
+    # The worker: each batch's making timed; the failed ones counted by kind.
+    assert total(w, "dpex_worker_batch_seconds_count") == total(w, "dpex_worker_batches_produced_total") >= N // B
+    assert total(w, "dpex_worker_errors_total", kind="user_code") >= 1
+    assert total(w, "dpex_worker_errors_total", kind="process_death") >= 1
+    assert total(w, "dpex_worker_errors_total", kind="wire") == 0
+    assert total(w, "dpex_worker_rpc_seconds_count", method="Inspect") >= 1  # a loader's first look at the data
