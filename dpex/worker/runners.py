@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator, Protocol
 
-from dpex import shm
+from dpex import errors, shm
 from dpex.log import fields
 from dpex.plan import seq as seqs
 from dpex.proto import dispatcher_pb2 as dpb
@@ -38,6 +38,10 @@ Frame = "bytes | shm.Handoff"  # a Handoff: the frame lies in a /dev/shm file (d
 Sink = Callable[[Frame], None]
 
 
+# Told of each batch a stream's process made: its bytes, seconds, and its error's kind (errors.kind_of) if any.
+Made = Callable[[int, float, "str | None"], None]
+
+
 def split_keys(split: dpb.Split) -> list[Key]:
     """The batch ids of a (map-style) split, in order."""
     return [Key(split.epoch, s, split.consumer_index, split.job_id, split.attempt)
@@ -48,11 +52,13 @@ def not_assigned_frame(key: Key) -> bytes:
     return build_frame(key.header(not_assigned=True))
 
 
-def make(split: dpb.Split, job_path: str, worker_address: str, buffer: int, budget: Budget) -> "SplitRunner":
+def make(split: dpb.Split, job_path: str, worker_address: str, buffer: int, budget: Budget,
+         made: Made | None = None) -> "SplitRunner":
     """The runner of a held split (as tf.data service's TaskRunner::Create): its
-    stream's process (an IterableDataset epoch) or its batches' in the pool."""
+    stream's process (an IterableDataset epoch), which tells ``made`` of each
+    batch it receives, or its batches' in the pool."""
     if split.num_streams:
-        return StreamRunner(split, job_path, worker_address, buffer)
+        return StreamRunner(split, job_path, worker_address, buffer, made)
     return MapRunner(split, budget)
 
 
@@ -328,8 +334,10 @@ class StreamRunner:
     pooled = False
     planned = True
 
-    def __init__(self, split: dpb.Split, job_path: str, worker_address: str, buffer_batches: int) -> None:
+    def __init__(self, split: dpb.Split, job_path: str, worker_address: str, buffer_batches: int,
+                 made: Made | None = None) -> None:
         self.split = split
+        self._made = made
         self.consumer = (split.job_id, split.consumer_index)
         self._split = dict(job_id=split.job_id, consumer_index=split.consumer_index, epoch=split.epoch,
                            stream=split.first_seq, num_streams=split.num_streams, base_seed=split.base_seed,
@@ -408,6 +416,7 @@ class StreamRunner:
                 pass
 
     def _receive(self) -> None:
+        since = time.monotonic()
         while True:
             try:
                 frame = self._conn.recv_bytes()
@@ -422,6 +431,10 @@ class StreamRunner:
                 j = self._received
                 self._received += 1
                 meta, _ = parse_frame(frame)
+                if self._made is not None and not meta.end_of_stream:  # since the last: the stream's pace
+                    now = time.monotonic()
+                    self._made(len(frame), now - since, errors.kind_of(meta.error) if meta.HasField("error") else None)
+                    since = now
                 if meta.end_of_stream:
                     self._end, self._replica = j, meta.stream_state
                     for wj in [w for w in self._waiters if w >= j]:

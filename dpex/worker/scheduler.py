@@ -106,7 +106,8 @@ class Scheduler:
         with self._cond:
             if split.split_id in self._held:
                 return
-            runner = runners.make(split, self._job_path(split.job_id), self._address, self._buffer, self._budget)
+            runner = runners.make(split, self._job_path(split.job_id), self._address, self._buffer, self._budget,
+                                  made=self.meter.produced)
             if runner.pooled:
                 self._queues.of(runner.consumer)
             self._held.add(runner)

@@ -188,7 +188,17 @@ def test_latencies_failures_and_the_journal_for_on_call(tmp_path):
                                        batch_size=B, timeout=60) as dl:
                 with pytest.raises(Exception, match=word):
                     list(dl)
+        map_made = total(scrape(c.workers[0].metrics_url), "dpex_worker_batch_seconds_count")
+        # An IterableDataset's batches come from its stream's process: counted and timed as well.
+        with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:Counting", n=20),
+                                   batch_size=B, timeout=60) as dl:
+            assert len(list(dl)) == 20 // B
+        with dpex.RemoteDataLoader(c.address, dpex.DatasetSpec("dpex.testing.datasets:BrokenStream", n=20),
+                                   batch_size=B, timeout=60) as dl:
+            with pytest.raises(ValueError, match="bad record 7"):
+                list(dl)
         d, w = scrape(c.dispatcher.metrics_url), scrape(c.workers[0].metrics_url)
+    assert total(w, "dpex_worker_batch_seconds_count") >= map_made + 20 // B + 1
     # Every batch of "timed" waited for in next() and reported: N // B observations of its job.
     assert total(d, "dpex_job_wait_seconds_count", job_id=job_id, job_name="timed") == N // B
     assert total(d, "dpex_job_wait_seconds_bucket", job_id=job_id, le="+Inf") == N // B
@@ -200,7 +210,7 @@ def test_latencies_failures_and_the_journal_for_on_call(tmp_path):
     assert ("dpex_journal_compactions_total", ()) in d
     # The worker: each batch's making timed; the failed ones counted by kind.
     assert total(w, "dpex_worker_batch_seconds_count") == total(w, "dpex_worker_batches_produced_total") >= N // B
-    assert total(w, "dpex_worker_errors_total", kind="user_code") >= 1
+    assert total(w, "dpex_worker_errors_total", kind="user_code") >= 2  # a dataset's and a stream's
     assert total(w, "dpex_worker_errors_total", kind="process_death") >= 1
     assert total(w, "dpex_worker_errors_total", kind="wire") == 0
     assert total(w, "dpex_worker_rpc_seconds_count", method="Inspect") >= 1  # a loader's first look at the data
