@@ -54,6 +54,14 @@ def load_token(token_file: str | None = None, token: str | None = None) -> str |
     return token
 
 
+def _stamp(*paths: str) -> tuple:
+    """What tells that files changed (replaced, rewritten or resized); () if one cannot be looked at."""
+    try:
+        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, paths))
+    except OSError:
+        return ()
+
+
 class Tokens:
     """The tokens a daemon accepts and the one it sends: one fixed token, or a
     token file's lines, read again when the file changes (looked at no more
@@ -72,12 +80,8 @@ class Tokens:
     def __bool__(self) -> bool:
         return bool(self._tokens)
 
-    def _stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self._file) if self._file else None
-        except OSError:
-            return None
-        return st and (st.st_ino, st.st_mtime_ns, st.st_size)
+    def _stamp(self) -> tuple:
+        return _stamp(self._file) if self._file else ()
 
     def reload(self) -> bool:
         """Reads the file again (if any); whether the tokens changed."""
@@ -145,10 +149,7 @@ class Certificate:
         self.version = 0  # counts the times the files were read again
 
     def _stamp(self) -> tuple:
-        try:
-            return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, (self.cert_file, self.key_file)))
-        except OSError:
-            return ()
+        return _stamp(self.cert_file, self.key_file)
 
     def current(self) -> tuple[int, tuple[bytes, bytes]]:
         """(version, (key, chain)): the files read again if they changed and form a pair."""
