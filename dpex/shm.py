@@ -27,10 +27,9 @@ import mmap
 import os
 import shutil
 import time
-import weakref
 from typing import NamedTuple
 
-from dpex import procutil
+from dpex import finalizers, procutil
 from dpex.procutil import alive
 
 log = logging.getLogger("dpex.worker")
@@ -110,7 +109,7 @@ def map_frame(path: str, size: int, offset: int = 0) -> memoryview:
     except OSError:  # the worker removed it meanwhile: the mapping holds the data
         return memoryview(mapped)[offset:]
     # Runs once the mapping is unmapped, i.e. when the batch's last tensor dies.
-    weakref.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name), _forks).atexit = False
+    finalizers.finalize(mapped, _give_back, lent, os.path.join(directory, SPARE + name), _forks, at_exit=False)
     return memoryview(mapped)[offset:]
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import mmap
 import socket
 import threading
-import weakref
 
 import numpy as np
+
+from dpex import finalizers
 
 _PAGE = mmap.PAGESIZE
 
@@ -70,7 +71,7 @@ class FramePool:
         if mm is None:  # private: a child forked meanwhile keeps its own copy of what it holds
             mm = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE)
         frame = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        weakref.finalize(frame, self._give_back, cls, mm).atexit = False  # nothing to give back at exit
+        finalizers.finalize(frame, self._give_back, cls, mm, at_exit=False)  # nothing to give back at exit
         return frame
 
     def _give_back(self, cls: int, mm: mmap.mmap) -> None:

@@ -7,7 +7,6 @@ delivered batches to the dispatcher and long-polls for split owners.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
@@ -17,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
+from dpex import finalizers
 from dpex.errors import (DpexCancelledError, DpexConfigError, DpexConnectionError, DpexError, DpexTimeoutError,
                          DpexWireError, rebuild)
 from dpex.plan import even
@@ -351,7 +351,7 @@ _reaper = _Reaper()
 _live: set = set()  # the _Exit of every epoch not ended yet
 
 
-@atexit.register
+@finalizers.register_at_exit
 def _end_at_exit() -> None:
     """At exit, in this (the main) thread: the epochs still open end, as close() ends them (their
     leaving sent, not waited for: nothing is planned after)."""
@@ -428,8 +428,8 @@ class EpochFetcher:
         self._control.count = self._own()
         self._exit = _Exit(self._control, leave, streams, self.key, client_id, self, attempt)
         _live.add(self._exit)
-        self._finalizer = weakref.finalize(self, _reaper.put, self._exit)
-        self._finalizer.atexit = False  # _end_at_exit ends it then, in the main thread
+        # _end_at_exit ends it at exit, in the main thread
+        self._finalizer = finalizers.finalize(self, _reaper.put, self._exit, at_exit=False)
 
     def __iter__(self) -> "EpochFetcher":
         return self

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.utils.data as tud
 
+from dpex import finalizers
 from dpex.client import checkpoint, job as jobs, seen
 from dpex.client.distributed import current_run
 from dpex.client.epoch import Epochs
@@ -184,7 +184,7 @@ class RemoteDataLoader:
                                                given_token=opts.auth_token)
         self._session = session = Session(address, embedded_why, token, ca, opts.shared_memory, opts.consumer_index,
                                       opts.first_contact_s, opts.timeout_s)
-        self._finalizer = weakref.finalize(self, session.close)
+        self._finalizer = finalizers.finalize(self, session.close)
         try:
             if address is None:  # started in the background, shared with this process's other loaders
                 from dpex.launch.embedded import embedded

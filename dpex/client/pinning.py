@@ -20,9 +20,9 @@ import queue
 import socket
 import threading
 import time
-import weakref
 from typing import Any, NamedTuple
 
+from dpex import finalizers
 from dpex.client.stats import StatsMeter
 from dpex.client.buffers import read_exactly
 from dpex.client.fetcher import BatchFailed
@@ -159,7 +159,7 @@ class PinnedEpoch:
         self._meter = meter
         self._done = False
         self._left_why: str | None = None
-        self._finalizer = weakref.finalize(self, self._pinner.stop)
+        self._finalizer = finalizers.finalize(self, self._pinner.stop)
         self._pinner.thread.start()
 
     def __iter__(self) -> "PinnedEpoch":

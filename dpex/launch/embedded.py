@@ -3,12 +3,12 @@ with no dispatcher address share, started in the background, watched
 (a worker that dies is started again), stopped when idle and at exit."""
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
 import threading
 
+from dpex import finalizers
 from dpex.daemon import can_fork, exit_reason, stop_process
 from dpex.errors import DpexConfigError, DpexError, DpexWorkerError
 from dpex.launch.forked import ForkedProcess, fork_worker
@@ -246,4 +246,4 @@ def _stop_at_exit() -> None:
     stop_embedded()
 
 
-atexit.register(_stop_at_exit)
+finalizers.register_at_exit(_stop_at_exit)

@@ -7,9 +7,9 @@ import shutil
 import signal
 import subprocess
 import threading
-import weakref
 from typing import Any, Callable
 
+from dpex import finalizers
 from dpex.config import DispatcherConfig, WorkerConfig
 from dpex.errors import DpexConfigError, DpexError
 from dpex.auth import TOKEN_ENV
@@ -85,7 +85,7 @@ class LocalCluster:
         self.log_dir = log_dir or temp_dir("cluster")  # named by pid: removed by a later cluster if we are killed
         self._count = 0
         self._procs = _Processes()  # shared with the finalizer
-        self._finalizer = weakref.finalize(self, LocalCluster._close_all, self._procs, self.log_dir)
+        self._finalizer = finalizers.finalize(self, LocalCluster._close_all, self._procs, self.log_dir)
         try:
             self._dispatcher_args = [
                 "dpex.cmd.dispatcher", "--host", host,

@@ -175,6 +175,41 @@ def test_torchs_own_loader_beside_dpex_prints_no_grpc_fork_warning(tmp_path):
     assert "fork" not in done.stderr and "goaway" not in done.stderr.lower(), done.stderr
 
 
+def test_a_dpex_loader_collected_in_torchs_forked_worker_neither_hangs_it_nor_stops_the_parents(tmp_path):
+    """Issue 58's flake: a loader (its iterator mid-epoch) left in a reference cycle is garbage, not yet
+    collected, when torch's workers fork; a worker's collector then ran its finalizer, whose gRPC channel
+    close waited for threads the child does not have: the worker hung for ever. Each finalizer now runs
+    only in the process that made it: the parent's loaders and its embedded cluster are the parent's."""
+    script = tmp_path / "train.py"
+    script.write_text(DPEX + textwrap.dedent("""
+        import gc
+        import torch.utils.data as tud
+
+        class Collects(tud.Dataset):  # a worker's allocations run the collector: made certain here
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                gc.collect()
+                return i
+
+        gc.disable()  # the garbage waits, as it may between two automatic collections
+        for _ in range(2):
+            train = DataLoader(list(range(64)), batch_size=8)
+            it = iter(train)
+            next(it)
+            train.cycle, it.cycle = train, it  # garbage once dropped, till a collection
+            del train, it
+        validation = tud.DataLoader(Collects(), batch_size=2, num_workers=2, timeout=60)
+        print(sorted(int(x) for b in validation for x in b))
+        gc.enable()
+        gc.collect()  # here, the parent's: its epochs end, its loaders close
+        print(sum(len(b) for b in DataLoader(list(range(64)), batch_size=8)))  # the embedded cluster still runs
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout == "[0, 1, 2, 3]\n64\n", done.stderr[-4000:]
+
+
 def test_a_worker_init_fn_that_seeds_torch_numpy_and_random(tmp_path):
     # torch's test_worker_init_fn: the sample sees the seed the user set, and torch.initial_seed() collates.
     torch_out, dpex_out = both(tmp_path, """
