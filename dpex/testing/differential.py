@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import queue
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -146,6 +147,9 @@ def outcome(fn: Any) -> Any:
     except StopIteration:
         return ("stop",)
     except Exception as e:  # noqa: BLE001 - compared with torch's
+        # The frames it was raised through let go of what they held (the iterators a program's step made)
+        # now, in this side's turn, not at a collection later in the other's.
+        traceback.clear_frames(e.__traceback__)
         return ("raised", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
 
@@ -226,8 +230,6 @@ class Programs(RuleBasedStateMachine):
         for side in self.sides:
             torch.set_rng_state(before)
             results.append((outcome(lambda: step(side)), side.rng()))
-            if results[-1][0][0] == "raised":  # the iterators its frames held go now, in their own side's turn
-                gc.collect()
         (theirs, their_rng), (ours, our_rng) = results
         if theirs[0] == "raised":  # the same type (Dpex's messages say more: the worker, the sample)
             theirs, ours = theirs[:2], ours[:2]
