@@ -52,13 +52,28 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of its he
 
 @dataclass(frozen=True)
 class RayConfig:
-    """How Dpex runs on a Ray cluster. ``worker_cpus``: Ray CPUs each worker
-    takes, and its processes (None: all of its node's CPUs); ``data_paths``:
-    paths a node must have for a worker to start there (a node without them
-    is logged and retried every ``retry_s``); ``work_dir``: the dispatcher's
-    journal directory on the head node (None: in memory only);
-    ``auth_token``: None takes $DPEX_AUTH_TOKEN, else a random one that
-    loaders get from the head actor."""
+    """How Dpex runs on a Ray cluster.
+
+    Attributes:
+        dispatcher_port: the dispatcher's port on the head node; 0 picks a free one.
+        work_dir: the dispatcher's journal directory on the head node; None: state in memory only.
+        worker_cpus: Ray CPUs each worker takes, and its processes; None: all of its node's CPUs.
+        data_paths: paths a node must have for a worker to start there (a node without them is logged
+            and tried again every ``retry_s``).
+        dispatcher_flags: more command-line flags for the dispatcher.
+        worker_flags: more command-line flags for each worker.
+        reconcile_interval_s: how often nodes that joined or left are looked for.
+        retry_s: a node whose worker failed to start is tried again after this.
+        start_timeout_s: a daemon that does not serve within this fails.
+        auth_token: the cluster's token; None: ``$DPEX_AUTH_TOKEN``, else a random one that loaders get
+            from the head actor.
+        min_workers: the scaling policy's lower bound; None (with ``max_workers``): one worker per node.
+        max_workers: the scaling policy's upper bound.
+        scale_cooldown_s: no worker is let go within this of the last change.
+
+    Raises:
+        DpexConfigError: bounds or durations that cannot be.
+    """
     dispatcher_port: int = 0              # 0 picks a free port
     work_dir: str | None = None
     worker_cpus: float | None = None
@@ -81,13 +96,13 @@ class RayConfig:
         if self.scaled and not (0 <= self.min_workers <= self.max_workers and self.max_workers >= 1):
             raise DpexConfigError(f"need 0 <= min_workers <= max_workers and max_workers >= 1, got "
                                   f"{self.min_workers}..{self.max_workers}")
+        if self.reconcile_interval_s <= 0 or self.retry_s <= 0 or self.start_timeout_s <= 0:
+            raise DpexConfigError("reconcile_interval_s, retry_s and start_timeout_s must be > 0")
 
     @property
     def scaled(self) -> bool:
         """Workers as the scaling policy wants them, not one per node."""
         return self.min_workers is not None
-        if self.reconcile_interval_s <= 0 or self.retry_s <= 0 or self.start_timeout_s <= 0:
-            raise DpexConfigError("reconcile_interval_s, retry_s and start_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -396,10 +411,18 @@ def _connect(address: str | None) -> bool:
 
 
 def start(address: str | None = "auto", config: RayConfig | None = None, wait_s: float = 120.0) -> Endpoint:
-    """Gets or starts Dpex on the Ray cluster at ``address`` (the one this
-    process is connected to, if it is) and waits up to ``wait_s`` for a worker
-    on every node; returns where loaders connect. A second call, from any
-    process, finds the same actors (``config`` applies when they start)."""
+    """Gets or starts Dpex on a Ray cluster and waits for a worker on every node.
+
+    A second call, from any process, finds the same actors (``config`` applies when they start).
+
+    Args:
+        address: the Ray cluster (``"auto"``: the one this process is connected to, or this machine's).
+        config: how Dpex runs there; None: ``RayConfig()``.
+        wait_s: how long to wait for the workers.
+    Returns:
+        Where loaders connect: the dispatcher's address, the token and the workers.
+    Raises:
+        DpexError: Dpex could not start there, or no node could run a worker (nothing is left started)."""
     config = config or RayConfig()
     connected = _connect(address)
     try:
@@ -442,13 +465,23 @@ def _existing_head(address: str | None) -> Iterator[Any]:
 
 
 def status(address: str | None = "auto") -> Endpoint | None:
-    """Where Dpex serves on the Ray cluster, or None if it is not running there."""
+    """Where Dpex serves on a Ray cluster.
+
+    Args:
+        address: the Ray cluster (``"auto"``: this process's or this machine's).
+    Returns:
+        The endpoint, or None if Dpex does not run there."""
     with _existing_head(address) as head:
         return None if head is None else ray.get(head.endpoint.remote(0.0))
 
 
 def stop(address: str | None = "auto") -> bool:
-    """Stops Dpex's actors and daemons on the Ray cluster; False if none ran."""
+    """Stops Dpex's actors and daemons on a Ray cluster (workers drain first).
+
+    Args:
+        address: the Ray cluster (``"auto"``: this process's or this machine's).
+    Returns:
+        False if Dpex did not run there."""
     with _existing_head(address) as head:
         if head is None:
             return False
