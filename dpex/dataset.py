@@ -22,10 +22,14 @@ class Constant:
 class DatasetSpec:
     """A dataset built on the worker: ``target(*args, **kwargs)``.
 
-    ``target`` is an import string ``"package.module:attr"`` (resolved on the
-    worker, so the trainer needs neither the code nor the data) or a callable,
-    which is shipped to workers by value. Paths in the arguments are paths on
-    the worker.
+    Args:
+        target: an import string ``"package.module:attr"`` (resolved on the worker, so the trainer needs
+            neither the code nor the data) or a callable, shipped to the workers by value.
+        *args: passed to ``target`` on the worker; paths are paths on the worker.
+        **kwargs: passed to ``target`` on the worker.
+
+    Raises:
+        DpexConfigError: a target that is neither ``"package.module:attr"`` nor a callable.
     """
 
     __slots__ = ("target", "args", "kwargs")

@@ -175,17 +175,24 @@ def drew_since(marks: tuple) -> bool:
 
 
 def sample_seed() -> int | None:
-    """In a Dpex batch process: the seed of the sample (or, in ``collate_fn``,
-    of the batch) being made, from which its global generators were set; for
-    code that keeps generators of its own. None elsewhere (the trainer, a
-    torch DataLoader's worker, a loader with ``reproducible=False``)."""
+    """The seed of the sample being made, for code that keeps generators of its own.
+
+    In a Dpex batch process, the seed its global generators were set from (in ``collate_fn``: the
+    batch's).
+
+    Returns:
+        The seed; None elsewhere (the trainer, a torch DataLoader's worker, a loader with
+        ``reproducible=False``)."""
     global _asked
     _asked = True
     return _current
 
 
 def sample_generator() -> Any:
-    """A new ``torch.Generator`` seeded with :func:`sample_seed` (None where that is None)."""
+    """A new ``torch.Generator`` seeded with :func:`sample_seed`.
+
+    Returns:
+        The generator; None where :func:`sample_seed` is None."""
     seed = sample_seed()
     if seed is None:
         return None

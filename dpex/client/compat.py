@@ -76,7 +76,7 @@ ACCELERATE_REBUILDS = (
     "accelerator.prepare() rebuilds this DpexDataLoader as torch's DataLoader: torch's worker processes would make "
     "its batches here in the trainer, not Dpex's workers. Prepare it with "
     "dpex.accelerate.prepare_data_loader(accelerator, loader), and only the model and optimizer with "
-    "accelerator.prepare (README: 'With Accelerate').")
+    "accelerator.prepare (docs/guides/accelerate.md).")
 
 
 _DPEX_ONLY = ("reproducible", "share", "cache", "even_batches", "lengths")  # DpexDataLoader's arguments that torch's lacks
@@ -85,38 +85,51 @@ _DPEX_ONLY = ("reproducible", "share", "cache", "even_batches", "lengths")  # Dp
 class DpexDataLoader(DataLoader[_T_co]):
     """``DataLoader(...)`` → ``DpexDataLoader(..., distribute_mode=True)``.
 
-    In distribute mode it is a ``torch.utils.data.DataLoader`` (built by
-    torch's own constructor, so its checks, messages, attributes and
-    ``len()`` are torch's) whose batches Dpex workers make. Every argument
-    stays on the instance under its name (``distribute_mode``,
-    ``head_address`` and ``reproducible`` too), so a rebuild from the
-    attributes (Lightning) is a Dpex loader again, and a pickled loader is
-    a new one of the same arguments where it is unpickled;
-    ``dispatcher_address`` is the dispatcher it chose.
-    ``head_address`` says where loading runs:
-    ``"auto"`` is ``$DPEX_DISPATCHER``, else the Ray cluster this machine
-    belongs to (Dpex started on it, see :mod:`dpex.ray`), else an embedded
-    cluster of ``num_workers`` processes; ``"ray://HOST:PORT"`` or a Ray
-    head's ``HOST:6379`` is that Ray cluster; ``"dpex://HOST:PORT"`` or
-    another ``HOST:PORT`` is a Dpex dispatcher (see ``dpex.launch.head``);
-    ``num_workers`` is how many worker processes the job asks for (and, with
-    ``prefetch_factor``, how many batches are requested ahead); the dataset
-    instance is shipped to the workers by value (see ``dpex.DatasetSpec`` for
-    large datasets). ``worker_init_fn``, ``get_worker_info()``, per-process
-    seeds, ``generator``, ``timeout``, ``pin_memory``, ``in_order`` and
-    ``persistent_workers`` behave as in torch; ``multiprocessing_context`` is
-    checked as torch checks it, and an embedded cluster's processes are
-    forked from the trainer where it says "fork" (the default on Linux), as
-    torch's workers are, else spawned. ``reproducible`` (Dpex's own, default
-    True): a sample's random draws are keyed by the epoch's base seed and its
-    place in the plan, not by the process that makes it (see
-    ``RemoteDataLoader``); ``share`` (Dpex's own, default True): jobs of an
-    equal definition make each batch once; ``cache`` ("memory" or "disk"):
-    the workers keep the samples across epochs (see ``RemoteDataLoader``);
-    ``even_batches`` (as Accelerate's; "shortest" or "longest"): every DDP rank
-    the same number of batches; ``lengths``: coordinated reads (see
-    ``RemoteDataLoader``). With ``distribute_mode=False`` these five, Dpex's
-    own, are dropped: the loader is torch's, which has none of them.
+    In distribute mode it is a ``torch.utils.data.DataLoader`` (built by torch's own constructor, so its
+    checks, messages, attributes and ``len()`` are torch's) whose batches Dpex workers make. Every argument
+    stays on the instance under its name, so a rebuild from the attributes (Lightning) is a Dpex loader
+    again, and a pickled loader is a new one of the same arguments where it is unpickled;
+    ``dispatcher_address`` is the dispatcher it chose. The arguments torch has mean what they mean in
+    torch; ``worker_init_fn``, ``get_worker_info()`` and per-process seeds run on the workers as in
+    torch's worker processes.
+
+    Args:
+        dataset: a map-style or iterable dataset, shipped to the workers by value (a ``dpex.DatasetSpec``
+            with ``RemoteDataLoader`` for large ones).
+        distribute_mode: False: torch's own ``DataLoader`` is returned (Dpex's own arguments dropped).
+        head_address: where loading runs: ``"auto"`` is ``$DPEX_DISPATCHER``, else the Ray cluster this
+            machine belongs to (:mod:`dpex.ray`), else an embedded cluster of ``num_workers`` processes;
+            ``"ray://HOST:PORT"`` or a Ray head's ``HOST:6379``: that Ray cluster; ``"dpex://HOST:PORT"``
+            or another ``HOST:PORT``: a Dpex dispatcher (dpex.launch.head).
+        batch_size: as torch's (None: no auto-batching).
+        shuffle: as torch's.
+        sampler: as torch's.
+        batch_sampler: as torch's.
+        num_workers: the worker processes the job asks for (an embedded cluster's size; an
+            IterableDataset's streams).
+        collate_fn: as torch's, run on the workers.
+        pin_memory: as torch's.
+        drop_last: as torch's.
+        timeout: as torch's: 0 waits as long as it takes.
+        worker_init_fn: as torch's, run on the workers.
+        multiprocessing_context: checked as torch checks it; ``"fork"`` (the default on Linux) forks an
+            embedded cluster's processes from the trainer, as torch's workers are, else spawned.
+        generator: as torch's: drives the shuffle and the base seed.
+        prefetch_factor: as torch's; with ``num_workers`` it sets how many batches are requested ahead.
+        persistent_workers: as torch's.
+        in_order: as torch's.
+        pin_memory_device: as torch's.
+        reproducible: Dpex's own: a sample's random draws keyed by the epoch's base seed and its place in
+            the plan, not by the process that makes it (``RemoteDataLoader``).
+        share: Dpex's own: jobs of an equal definition make each batch once.
+        cache: Dpex's own: ``"memory"`` or ``"disk"`` keeps the samples on the workers across epochs.
+        even_batches: Dpex's own, as Accelerate's: ``"shortest"`` or ``"longest"`` gives every DDP rank
+            the same number of batches.
+        lengths: Dpex's own: coordinated reads (``RemoteDataLoader``).
+
+    Raises:
+        ValueError: an argument torch refuses, in torch's words.
+        DpexConfigError: an argument Dpex refuses.
     """
 
     def __new__(cls, dataset: Any, distribute_mode: bool = False, head_address: str | None = "auto",
@@ -220,6 +233,10 @@ class DpexDataLoader(DataLoader[_T_co]):
         return _rebuild, (type(self), self._init_args)
 
     def set_epoch(self, epoch: int) -> None:
+        """See :meth:`RemoteDataLoader.set_epoch`.
+
+        Args:
+            epoch: the epoch the next ``iter()`` plans."""
         self._remote.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
@@ -232,11 +249,19 @@ class DpexDataLoader(DataLoader[_T_co]):
         return self._remote.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """See :meth:`RemoteDataLoader.load_state_dict` (under DDP: every rank's state dicts, as a list)."""
+        """See :meth:`RemoteDataLoader.load_state_dict`.
+
+        Args:
+            state_dict: one state dict, or under DDP every rank's, as a list."""
         self._remote.load_state_dict(state_dict)
 
     def stats(self, reset: bool = False) -> LoaderStats:
-        """See :meth:`RemoteDataLoader.stats`."""
+        """See :meth:`RemoteDataLoader.stats`.
+
+        Args:
+            reset: start a new window after this one.
+        Returns:
+            The window's :class:`LoaderStats`."""
         return self._remote.stats(reset)
 
     def close(self) -> None:

@@ -48,80 +48,65 @@ _O = LoaderOptions  # its fields' defaults are the loader's
 class RemoteDataLoader:
     """Batches produced by Dpex workers, equal to what torch's DataLoader yields.
 
-    ``address`` is the dispatcher's HOST:PORT (or ``dpex://HOST:PORT``); None
-    is this process's embedded local cluster (``processes`` worker processes;
-    see :func:`dpex.launch.embedded.embedded`), started in the background by the
-    first loader that needs it and shared with the process's other loaders;
-    ``"auto"`` and Ray addresses are resolved as ``DpexDataLoader``'s
-    ``head_address`` (``dpex.launch.head``).
-    ``dataset`` is a :class:`DatasetSpec` (built on the workers from their own
-    files) or a dataset instance (shipped to the workers by value).
-    ``num_consumers``/``consumer_index`` default to the world size and rank
-    under torch.distributed (1/0 outside), where ranks without a ``job_name``
-    share one job named after the run (``loader.job_name``). With
-    ``num_consumers`` > 1 (or under torch.distributed, one rank too) and no
-    sampler, consumer k plans DistributedSampler's k-th share
-    (``shard=False``: the whole dataset, as torch's DataLoader).
-    ``timeout`` is how many seconds to wait for the next batch before raising
-    (None: wait as long as it takes), and how long an outage of the dispatcher
-    is ridden out once it was reached (``connect_timeout`` before that);
-    with ``timeout=None``, an epoch fails once the dispatcher has had no live
-    worker for ``connect_timeout`` seconds. An embedded cluster's worker
-    that dies is started again (a few times); its dispatcher's death, or
-    one too many of the worker's, fails the epoch in torch's words.
-    ``window`` batches are requested ahead.
-    A random sampler draws from the user's generator when torch's DataLoader
-    would: with ``num_workers`` > 0, ``prefetch_factor * num_workers`` index
-    batches at ``iter()`` (torch's prefetch), without workers at the first
-    ``next()``, then as batches are yielded; so a peek or a ``break`` leaves
-    the generator where torch leaves it (see dpex.client.paced).
-    As with torch's DataLoader, each worker process seeds itself from the
-    epoch's base seed plus its id, sets ``get_worker_info()`` and calls
-    ``worker_init_fn(id)`` (once per epoch, or once with ``persistent_workers``);
-    ``pin_memory`` pins batches in the trainer when an accelerator is present,
-    as torch does: ahead of the consumer, in a thread of its own with one
-    intra-op thread (on ``pin_memory_device``, default the current accelerator).
-    Each ``iter()`` is an epoch of its own, as torch's: one still being read
-    goes on beside it (``zip(loader, loader)``; see dpex.client.lanes).
-    Dropping an epoch's iterator before its end (a ``break``) or ``close()``
-    leaves the epoch: workers drop what they hold for it.
-    ``auth_token`` (default: $DPEX_AUTH_TOKEN) goes with every call; with
-    ``tls_ca`` (a PEM file; default: $DPEX_TLS_CA) the daemons are reached over TLS.
-    With ``shared_memory``, batches of a worker on this host are mapped from
-    its /dev/shm files instead of streamed (False: always over gRPC).
-    ``compression`` ("lz4" or "zstd"; default none) compresses payloads on
-    the workers: worth it only where the network, not CPU, is the limit.
-    An IterableDataset is iterated by ``num_workers`` streams, each in a
-    process of its own that sees itself as worker k of ``num_workers``; its
-    batches come round-robin, as from torch's workers. ``num_workers=0`` is
-    one stream that sees what torch's main process sees: ``get_worker_info()``
-    is None and ``worker_init_fn`` is not called (map-style jobs too).
-    With ``reproducible`` (the default) a sample's random draws (torch,
-    numpy, ``random``) are keyed by the epoch's base seed and the sample's
-    place in the epoch's plan (see dpex.seeding), so they are the same
-    whichever worker or process makes it, after failures and resume, and
-    whatever the batch size or (DistributedSampler) the world size;
-    ``reproducible=False`` lets each process's generators run on from its
-    worker seed, as torch's workers do.
-    The embedded cluster's worker and its processes are forked from this
-    process when ``multiprocessing_context`` (default: multiprocessing's) is
-    "fork", as torch's DataLoader forks its workers, else spawned.
-    With torch's own samplers an epoch's plan is sent as a description and
-    the workers compute its index batches (they need the trainer's torch
-    release); ``compact_plans=False``, or any other sampler, sends every index.
-    With ``share`` (the default) and keyed draws, jobs of an equal definition
-    (the same dataset, code and settings; a sweep's trials) get each batch
-    made once on a worker, each its own copy, bitwise what it would have
-    made alone (see dpex.worker.sharing); ``share=False`` opts out.
-    ``cache="memory"`` (or ``"disk"``) keeps the dataset's samples on the
-    workers by index, across epochs and jobs of the same dataset, for a
-    dataset whose samples do not change between epochs; it checks itself
-    (see dpex.worker.samples).
-    ``even_batches`` gives every consumer (DDP rank) as many batches whatever its
-    data yields: ``"shortest"`` stops all at the fewest (``stats().batches_dropped``),
-    ``"longest"`` (``True``, as Accelerate's) repeats a short rank's first batch
-    (``stats().batches_repeated``); False, torch's counts and a warning (dpex.plan.even).
-    ``lengths`` (per sample, or a function of one): coordinated reads (dpex.BucketBatchSampler, dpex.BucketedIterable).
+    Each ``iter()`` is an epoch of its own, as torch's (one still read goes on beside it:
+    ``zip(loader, loader)``, dpex.client.lanes); leaving it early (a ``break``, a dropped iterator,
+    ``close()``) cancels it and the workers drop what they hold for it. A random sampler draws from the
+    generator when torch's DataLoader would (dpex.client.paced), so a peek or a ``break`` leaves it where
+    torch leaves it. Each worker process seeds itself from the epoch's base seed plus its id, sets
+    ``get_worker_info()`` and calls ``worker_init_fn`` as torch's workers do.
+
+    Args:
+        address: the dispatcher's ``HOST:PORT`` (or ``dpex://HOST:PORT``); None: this process's shared embedded
+            cluster; ``"auto"`` and Ray addresses as ``DpexDataLoader``'s ``head_address`` (dpex.launch.head).
+        dataset: a :class:`DatasetSpec` (built on the workers from their own files) or a dataset (shipped by value).
+        batch_size: samples a batch; None: no auto-batching, as torch's.
+        shuffle: a random order each epoch (from ``seed``/``generator``, else torch's global RNG).
+        seed: a ``torch.Generator`` seeded with it drives the shuffle; None: torch's global RNG.
+        drop_last: drop the last, short batch, as torch's.
+        sampler: any torch sampler (``DistributedSampler`` included), as torch's.
+        batch_sampler: any torch batch sampler, as torch's.
+        collate_fn: run on the workers, as torch's (default: ``default_collate``).
+        num_consumers: trainers (DDP ranks) sharing the job; default: the world size under torch.distributed, else 1.
+        consumer_index: this trainer's index; default: the rank under torch.distributed, else 0.
+        job_name: share one job across loaders of the same definition (a rerun takes its job over);
+            None: the loader's own job, or the DDP run's (``loader.job_name``).
+        ordered: batches in plan order (torch's ``in_order=True``); False: as they arrive.
+        timeout: seconds to wait for the next batch, and to ride out a dispatcher's outage once it was
+            reached; None: as long as it takes (an epoch then fails once there has been no live worker
+            for ``connect_timeout``).
+        generator: drives the shuffle and the base seed, as torch's.
+        window: batches requested ahead; None: 4 per live worker.
+        worker_init_fn: called with the worker's id in each batch process, once an epoch (persistent: once).
+        persistent_workers: keep the first ``iter()``'s dataset and run ``worker_init_fn`` once, as torch's.
+        pin_memory: pin batches when an accelerator is present, as torch's: ahead of the loop, in a thread of its own.
+        num_workers: the streams an IterableDataset is iterated by (each sees itself as worker k of
+            ``num_workers``); 0: one stream that sees what torch's main process sees.
+        processes: an embedded cluster's batch processes; None: one per core.
+        auth_token: sent with every call; None: ``$DPEX_AUTH_TOKEN``.
+        tls_ca: a PEM file to verify TLS daemons with; None: ``$DPEX_TLS_CA`` (no TLS without either).
+        connect_timeout: seconds an unreachable dispatcher is retried before it was first reached.
+        shared_memory: map a same-host worker's batches from its ``/dev/shm`` files; False: always gRPC.
+        compression: ``"lz4"`` or ``"zstd"`` on the workers, worth it where the network is the limit.
+        pin_memory_device: where to pin; "": the current accelerator.
+        shard: several consumers and no sampler plan ``DistributedSampler``'s shares; False: the whole
+            dataset on every consumer, as torch's DataLoader.
+        compact_plans: send torch's samplers as descriptions the workers expand (they need the
+            trainer's torch release); False: every index.
+        multiprocessing_context: how an embedded cluster's worker starts: ``"fork"`` (multiprocessing's
+            default on Linux) forks it from this process, as torch forks its workers, else spawned.
+        reproducible: key a sample's random draws (torch, numpy, ``random``) by the epoch's base seed and
+            its place in the plan (dpex.seeding): the same on any worker, after failures and resume;
+            False: each process's generators run on from its worker seed, as torch's.
+        share: equal jobs (a sweep's trials) get each batch made once on a worker, bitwise (dpex.worker.sharing).
+        cache: ``"memory"`` or ``"disk"``: keep a dataset's unchanging samples on the workers (dpex.worker.samples).
+        prefetch_factor: index batches asked per worker at ``iter()``, as torch's.
+        even_batches: every consumer as many batches: ``"shortest"`` stops all at the fewest,
+            ``"longest"`` (or True) repeats a short rank's first batch; False: torch's counts and a
+            warning (dpex.plan.even).
+        lengths: a length per sample, or a function of one: coordinated reads (dpex.BucketBatchSampler).
+
+    Raises:
+        DpexConfigError: an argument torch or Dpex refuses (torch's messages for torch's arguments).
     """
 
     def __init__(self, address: str | None = _O.address, dataset: Any = None, batch_size: int | None = _O.batch_size,
@@ -235,23 +220,34 @@ class RemoteDataLoader:
         return self._session.job_id
 
     def set_epoch(self, epoch: int) -> None:
-        """Forwards to samplers that have ``set_epoch`` (e.g. DistributedSampler)."""
+        """Forwards ``epoch`` to the samplers that have ``set_epoch`` (DistributedSampler's shuffle).
+
+        Args:
+            epoch: the epoch the next ``iter()`` plans."""
         self._epochs.plans.set_epoch(epoch)
 
     def plan_of(self, step: int, epoch: int | None = None) -> dict[int, list[int]]:
-        """The dataset indices each rank gets at batch ``step`` of the epoch in progress (or last
-        begun; ``epoch``: the one ``set_epoch(epoch)`` plans, for an order that follows the epoch),
-        by rank, from its description (no permutation drawn whole for a ShuffleSampler).
+        """The dataset indices each rank gets at a step, by rank, from the epoch's description.
 
+        Args:
+            step: the batch's place in the epoch.
+            epoch: the epoch ``set_epoch(epoch)`` plans (an order that follows the epoch); None: the
+                epoch in progress, or last begun.
+        Returns:
+            ``{rank: indices}`` (a user's sampler: this rank's only).
         Raises:
             DpexConfigError: no such epoch or step, an IterableDataset, a user's sampler's other ranks."""
         return self._epochs.plan_of(step, epoch)
 
     def skip(self, steps: int | range) -> int:
-        """Passes over ``steps`` (a range not given yet, or the next ``int``) of the epoch in
-        progress, as after a loss spike: never fetched nor given, counted delivered, kept skipped
-        through a state dict's resume; every rank skips alike. Returns how many were skipped.
+        """Passes over steps of the epoch in progress, as after a loss spike.
 
+        Never fetched nor given, counted delivered, kept skipped through a resume; every rank skips alike.
+
+        Args:
+            steps: a range of steps not given yet, or how many of the next.
+        Returns:
+            How many were skipped.
         Raises:
             DpexConfigError: no map-style epoch in progress, steps given or past it, pin_memory."""
         return self._epochs.skip(steps)
@@ -265,12 +261,12 @@ class RemoteDataLoader:
         return self._epochs.begin(self)  # as torch's iterator, the epoch keeps its loader alive
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands, to save with a checkpoint (plain JSON-safe
-        values, for ``torch.save`` or ``json.dumps``): call it between batches. A loader built with the
-        same arguments and given it by :meth:`load_state_dict` before ``iter()``
-        yields the rest of the epoch, then the next epochs, as this one would
-        (torch's global RNG, which a shuffle without ``generator``/``seed``
-        draws from at each ``iter()``, is the caller's to save and restore)."""
+        """Where this loader stands, to save with a checkpoint: call it between batches.
+
+        Plain JSON-safe values, for ``torch.save`` or ``json.dumps``; :meth:`load_state_dict` takes it
+        (torch's global RNG, which a shuffle without ``generator``/``seed`` draws from, is the caller's).
+        Returns:
+            The state dict."""
         return {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
                 "job_name": self.job_name, "named_job": bool(self._opts.job_name),
                 "dataset_length": self._epochs.plans.length, "batch_size": self._opts.batch_size,
@@ -278,15 +274,16 @@ class RemoteDataLoader:
                 "consumer_index": self.consumer_index, **self._epochs.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Continues from :meth:`state_dict` of a loader built with the same
-        arguments (this or another process): the next ``iter()`` yields the
-        batches of the saved epoch that the loop had not been given, exactly
-        those, then epochs go on as the saved loader's would. Under DDP, a
-        rank may be given the list of every rank's state dict: with as many
-        ranks as saved it, each takes its own; with another number (elastic),
-        the samples of the interrupted epoch that no rank's loop was given are
-        shared out by DistributedSampler's rule (each once, padded to equal
-        shares), and the next epochs are planned for the new number of ranks."""
+        """Continues from the :meth:`state_dict` of a loader built with the same arguments.
+
+        In any process, the next ``iter()`` yields the saved epoch's batches the loop had not been given.
+
+        Args:
+            state_dict: one state dict, or under DDP the list of every rank's: as many ranks as saved
+                it take their own; another number (elastic) shares out the interrupted epoch's samples
+                no rank was given by DistributedSampler's rule, and plans the next for the new ranks.
+        Raises:
+            DpexConfigError: a state of another dataset length, batch size, job name or format."""
         if isinstance(state_dict, tuple):
             state_dict = list(state_dict)
         for sd in state_dict if isinstance(state_dict, list) else [state_dict]:
@@ -295,9 +292,12 @@ class RemoteDataLoader:
                                              self.job_name if self._opts.job_name else None))
 
     def stats(self, reset: bool = False) -> LoaderStats:
-        """Batches/s, bytes received, seconds the trainer waited for data and
-        whether it is input-bound (waiting > 10 % of the time), with how many
-        workers the measured rates call for. ``reset`` starts a new window."""
+        """Whether the trainer waits for data, why, and what more workers would give.
+
+        Args:
+            reset: start a new window after this one.
+        Returns:
+            The window's :class:`LoaderStats`."""
         return self._meter.stats(reset)
 
     def close(self) -> None:

@@ -21,23 +21,30 @@ __all__ = ["INPUT_BOUND_WAIT_FRACTION", "MAX_SCALE_STEP", "LoaderStats", "StatsM
 class LoaderStats:
     """Trainer-side figures since the loader started (or the last reset).
 
-    ``elapsed_s`` counts time inside epochs only (from the first ``next()``
-    of an epoch to its last batch); ``wait_s`` is the part of it the trainer
-    spent blocked in ``next()``. ``workers_needed`` is how many workers of
-    the measured speed would keep the trainer from waiting, at most
-    4 times the live workers (a step to take and measure again); ``advice``
-    says why, in words. ``stages``: the mean seconds a batch spent in each
-    stage: in its batch process (``dataset`` and ``dataset_cpu``: the dataset's
-    own code, wall and CPU, wall well above CPU meaning it waits on storage or
-    the network, unless ``dataset_cpu_wait``, the part of the wall it waited
-    for a core, says the host's CPUs are oversubscribed; ``collate``,
-    ``collate_cpu``, ``collate_cpu_wait``; ``dpex``: the rest, Dpex's
-    part), over the batches whose process timed them; on the trainer
-    (``receive``: reading its frame off a worker's data socket, ``decode``,
-    ``pin``), over the batches received; a stage appears once measured.
-    ``bottleneck``: the verdict, a word of dpex.bottleneck.VERDICTS (``none``,
-    ``workers``, ``storage``, ``network``, ``trainer``, ``straggler``), and
-    ``bottleneck_reason`` its reason in words; :meth:`predict` the what-if.
+    Attributes:
+        batches: batches given to the loop.
+        bytes_received: their frames' bytes.
+        elapsed_s: time inside epochs only (from an epoch's first ``next()`` to its last batch).
+        wait_s: the part of it the trainer spent blocked in ``next()``.
+        batches_per_s: batches over ``elapsed_s``.
+        wait_fraction: ``wait_s`` over ``elapsed_s``.
+        input_bound: waiting more than 10 % of the time: data is the limit.
+        workers_alive: the job's live workers.
+        workers_needed: workers of the measured speed that would keep the trainer from waiting, at most
+            4 times the live ones (a step to take and measure again).
+        advice: why, in words.
+        stages: the mean seconds a batch spent in each stage: in its batch process (``dataset`` and
+            ``dataset_cpu``: the dataset's own code, wall and CPU, wall well above CPU meaning it waits on
+            storage or the network, unless ``dataset_cpu_wait``, the part it waited for a core, says the
+            host's CPUs are oversubscribed; ``collate``, ``collate_cpu``, ``collate_cpu_wait``; ``dpex``:
+            Dpex's part); on the trainer ``receive`` (off a worker's data socket), ``decode``, ``pin``. A
+            stage appears once measured.
+        bottleneck: the verdict: ``none``, ``workers``, ``storage``, ``network``, ``trainer`` or
+            ``straggler`` (dpex.bottleneck.VERDICTS).
+        bottleneck_reason: the verdict's reason in words.
+        batches_dropped: ``even_batches="shortest"``: this consumer's own batches past the fewest, not given.
+        batches_repeated: ``even_batches="longest"``: its first batch given again once its own ran out.
+        figures: the measures :meth:`predict` models from.
     """
     batches: int
     bytes_received: int
@@ -57,10 +64,15 @@ class LoaderStats:
     figures: Figures | None = field(default=None, repr=False, compare=False)
 
     def predict(self, workers: int | None = None, processes: int | None = None) -> float:
-        """The batches/s the trainer would take with ``workers`` workers like
-        the live ones, each with ``processes`` batch processes (where they wait
-        on storage) (dpex.bottleneck.predict: the model the autoscaler's need
-        comes from)."""
+        """The batches/s the trainer would take (dpex.bottleneck.predict: the autoscaler's model).
+
+        Args:
+            workers: workers like the live ones; None: as many as live.
+            processes: batch processes each (the lever where they wait on storage); None: as now.
+        Returns:
+            Batches per second (0.0 before anything was measured).
+        Raises:
+            ValueError: ``processes`` where the workers' processes are not known (an IterableDataset's)."""
         return bottleneck.predict(self.figures, workers, processes) if self.figures is not None else 0.0
 
 

@@ -39,19 +39,36 @@ class _Processes:
 
 
 class LocalCluster:
-    """Starts ``dpex-dispatcher`` and ``num_workers`` ``dpex-worker`` processes.
+    """Starts ``dpex-dispatcher`` and ``num_workers`` ``dpex-worker`` processes on this machine.
 
-    The cluster stops on :meth:`close`, on garbage collection, at interpreter
-    exit, and (Linux) when the starting process dies. Daemon logs go to
-    ``log_dir``. The keyword arguments are the daemons' flags; ``auth_token``
-    travels in their environment, ``tls`` is (certificate, key, CA) files;
-    ``metrics`` gives every daemon a Prometheus endpoint (``Daemon.metrics_url``);
-    ``dispatcher_flags`` / ``worker_flags`` are more command-line flags for them;
-    ``drain_timeout_s`` is how long a worker answers in-flight calls when stopped;
-    ``log_dir`` (default: a new temporary directory) is removed on close;
-    ``own_session`` starts the daemons in a session of their own, out of
-    reach of a Ctrl-C (SIGINT) to the starter's process group: they stop with
-    the starter, which may ignore SIGINT (a background job) or handle it.
+    The cluster stops on :meth:`close`, on garbage collection, at interpreter exit, and (Linux) when the
+    starting process dies. The keyword arguments are the daemons' flags (``dpex-dispatcher --help``).
+
+    Args:
+        num_workers: workers to start.
+        processes: batch processes each worker runs.
+        host: the address the daemons listen on and advertise.
+        heartbeat_interval_s: the workers' heartbeat interval.
+        heartbeat_timeout_s: heartbeats missed this long: a worker is lost.
+        split_size_batches: batches a split holds.
+        buffer_batches: each consumer's batches a worker makes ahead; None: the worker's default.
+        work_dir: the dispatcher's journal directory; None: state in memory only.
+        consumer_timeout_s: a silent trainer is released after this long.
+        auth_token: the cluster's token, in the daemons' environment; None: no authentication.
+        tls: (certificate, key, CA) files: both daemons serve TLS, workers verify the dispatcher.
+        metrics: give every daemon a Prometheus endpoint (``Daemon.metrics_url``).
+        dispatcher_flags: more command-line flags for the dispatcher.
+        worker_flags: more command-line flags for each worker.
+        start_timeout_s: how long to wait for each daemon to serve.
+        env: more environment variables for the daemons.
+        drain_timeout_s: how long a stopped worker answers the calls in flight.
+        log_dir: where the daemons' logs go; None: a new temporary directory, removed on close.
+        own_session: start the daemons in a session of their own, out of reach of a Ctrl-C (SIGINT) to
+            the starter's process group: they stop with the starter, which may ignore or handle SIGINT.
+
+    Raises:
+        DpexConfigError: fewer than 0 workers or 1 process.
+        DpexError: a daemon that did not start, with its log's tail.
     """
 
     def __init__(self, num_workers: int = 1, processes: int = 1, *, host: str = "127.0.0.1",
@@ -143,46 +160,84 @@ class LocalCluster:
                 *self._metrics_args, *self._worker_flags]
 
     def add_workers(self, n: int = 1, env: dict[str, str] | None = None) -> list[Daemon]:
-        """Starts ``n`` more workers (in parallel; ``env``: more environment
-        variables for them) and waits until they serve."""
+        """Starts more workers, in parallel, and waits until they serve.
+
+        Args:
+            n: how many.
+            env: more environment variables for them.
+        Returns:
+            The new workers."""
         started = [self._spawn("worker", self._worker_args(), env) for _ in range(n)]
         return [self._serving("worker", spawned, self._procs.workers.append) for spawned in started]
 
     def adopt_worker(self, process: Any, ready: str, log_path: str) -> Daemon:
-        """Waits for a worker started elsewhere (an embedded worker forked
-        from the trainer) to serve, and stops it with the cluster."""
+        """Waits for a worker started elsewhere to serve, and stops it with the cluster.
+
+        An embedded worker forked from the trainer is one.
+
+        Args:
+            process: the worker's process (``wait``, ``send_signal``, ``poll``).
+            ready: the file it writes its address to once it serves.
+            log_path: its log.
+        Returns:
+            The worker."""
         with self._procs.lock:
             self._procs.starting.add(process)
         return self._serving("worker", (process, ready, log_path), self._procs.workers.append)
 
     def kill_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
-        """Sends ``sig`` to a worker (default SIGKILL) and waits for it to exit."""
+        """Sends a signal to a worker and waits for it to exit.
+
+        Args:
+            index: the worker's place in :attr:`workers`.
+            sig: the signal (SIGTERM drains it).
+        Returns:
+            The worker."""
         daemon = self.workers[index]
         daemon.process.send_signal(sig)
         daemon.process.wait()
         return daemon
 
     def restart_worker(self, index: int, sig: int = signal.SIGKILL) -> Daemon:
-        """Kills worker ``index`` and starts a new one on the same address."""
+        """Kills a worker and starts a new one on the same address.
+
+        Args:
+            index: the worker's place in :attr:`workers`.
+            sig: the signal that stops it.
+        Returns:
+            The new worker."""
         self.kill_worker(index, sig)
         return self.respawn_worker(index)
 
     def respawn_worker(self, index: int) -> Daemon:
-        """Starts a new worker on the address of worker ``index``, which has
-        exited: registered there, it replaces the old one in the dispatcher at
-        once (whose splits it takes), and trainers reach it where they were."""
+        """Starts a new worker on the address of a worker that has exited.
+
+        Registered there, it replaces the old one in the dispatcher at once (taking its splits), and
+        trainers reach it where they were.
+
+        Args:
+            index: the exited worker's place in :attr:`workers`.
+        Returns:
+            The new worker."""
         port = self.workers[index].address.rsplit(":", 1)[1]
         return self._start("worker", self._worker_args(port),
                            lambda daemon: self._procs.workers.__setitem__(index, daemon))
 
     def restart_dispatcher(self, sig: int = signal.SIGKILL) -> Daemon:
-        """Kills the dispatcher (default SIGKILL) and starts it again on the
-        same port (and work dir, if any); workers and trainers reconnect."""
+        """Stops the dispatcher and starts it again on its port and work dir; workers and trainers reconnect.
+
+        Args:
+            sig: the signal that stops it (SIGTERM: as Kubernetes stops it).
+        Returns:
+            The new dispatcher."""
         self.stop_dispatcher(sig)
         return self.start_dispatcher()
 
     def stop_dispatcher(self, sig: int = signal.SIGKILL) -> None:
-        """Kills the dispatcher (default SIGKILL); :meth:`start_dispatcher` brings it back."""
+        """Stops the dispatcher; :meth:`start_dispatcher` brings it back.
+
+        Args:
+            sig: the signal that stops it."""
         self.dispatcher.process.send_signal(sig)
         self.dispatcher.process.wait()
 

@@ -52,11 +52,25 @@ def plan(lengths: np.ndarray, batch_size: int, num_replicas: int, seed: int, dro
 
 
 class BucketBatchSampler:
-    """A batch sampler of rank ``rank`` of ``num_replicas`` whose every step's batches, across
-    the ranks, hold samples of like ``lengths`` (see the module). Give it as ``batch_sampler``
-    (to a RemoteDataLoader, or ``RemoteDataLoader(coordinated=True, lengths=...)``, or to
+    """A batch sampler whose every step's batches, across the ranks, hold samples of like length.
+
+    See the module's notes. Give it as ``batch_sampler``
+    (to a RemoteDataLoader, which ``RemoteDataLoader(lengths=...)`` does for you, or to
     torch's DataLoader, which then yields the same batches); call ``set_epoch`` each epoch,
-    as with DistributedSampler. Every rank must be given the same lengths and seed."""
+    as with DistributedSampler. Every rank must be given the same lengths and seed.
+
+    Args:
+        lengths: each sample's length.
+        batch_size: samples a batch.
+        num_replicas: ranks sharing each step.
+        rank: this rank.
+        seed: the order's seed (with the epoch's).
+        drop_last: cut the tail instead of padding it to whole steps by wrapping around.
+        window_steps: steps in a window, the span sorted by length.
+
+    Raises:
+        ValueError: a batch size below 1, or a rank outside ``num_replicas``.
+    """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, *, num_replicas: int = 1, rank: int = 0,
                  seed: int = 0, drop_last: bool = False, window_steps: int = 64) -> None:
@@ -69,6 +83,10 @@ class BucketBatchSampler:
         self.seed, self.drop_last, self.window_steps, self.epoch = seed, drop_last, window_steps, 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next ``iter()`` plans.
+
+        Args:
+            epoch: the epoch."""
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -96,14 +114,26 @@ def window_order(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
 
 
 class BucketedIterable(tud.IterableDataset):
-    """``dataset``'s samples in an order whose every ``batch_size`` consecutive ones are of like
-    ``length_fn`` (see the module): coordinated reads for an IterableDataset. Give it to a
+    """Coordinated reads for an IterableDataset: every ``batch_size`` consecutive samples of like length.
+
+    See the module's notes. Give it to a
     RemoteDataLoader, or to torch's DataLoader (which then yields the same batches), with the
     same ``batch_size``; ``RemoteDataLoader(lengths=fn)`` wraps an IterableDataset in it.
     ``set_epoch`` varies the order by epoch, as DistributedSampler's. Every rank must be given
     the same seed, batch size and window. Where ``dataset`` has torchdata's ``state_dict``, so
     has this one: a resumed stream reads its window again, its generators as they were at the
-    window's start, and goes on from the batch it had reached, bitwise as if not stopped."""
+    window's start, and goes on from the batch it had reached, bitwise as if not stopped.
+
+    Args:
+        dataset: the IterableDataset to bucket.
+        length_fn: a sample's length.
+        batch_size: samples a batch (the loader's too).
+        seed: the order's seed (with the epoch's and the window's).
+        window_batches: batches a window holds, the span sorted by length (memory is bounded by it).
+
+    Raises:
+        ValueError: a batch size or window below 1.
+    """
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> "BucketedIterable":
         if cls is BucketedIterable and callable(getattr(dataset, "state_dict", None)) and callable(
@@ -122,6 +152,10 @@ class BucketedIterable(tud.IterableDataset):
         self._state: dict = {}            # where the window being yielded began, and how much of it went
 
     def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch whose order the next ``iter()`` yields.
+
+        Args:
+            epoch: the epoch."""
         self.epoch = epoch
 
     def __len__(self) -> int:

@@ -98,8 +98,9 @@ def indices(length: int, seed: int, num_replicas: int, rank: int, start: int, st
 
 
 class ShuffleSampler:
-    """Every sample once per epoch in a seeded pseudo-random order, with a
-    first batch as fast at 10^9 samples as at 10^4 (see the module's notes).
+    """Every sample once per epoch in a seeded order, its first batch as fast at 10^9 samples as at 10^4.
+
+    See the module's notes.
 
     Use it where torch's ``RandomSampler`` or ``DistributedSampler`` would be
     too slow or too big to draw whole: ``RemoteDataLoader(spec, sampler=
@@ -109,8 +110,18 @@ class ShuffleSampler:
     padded by wrapping around (or cut, ``drop_last``) to equal shares. With a
     ``seed``, epoch e's order is the seed's + e (call ``set_epoch``); without
     one, each ``iter()`` draws a seed from torch's global RNG, as RandomSampler
-    does (then every rank must seed torch alike; a ``seed`` is required for
-    more than one replica).
+    does.
+
+    Args:
+        data_source: the dataset, or its length.
+        seed: the order's seed; None: one drawn from torch's global RNG at each ``iter()`` (every rank must
+            then seed torch alike).
+        num_replicas: ranks sharing the epoch (more than one needs a ``seed``).
+        rank: this rank's share.
+        drop_last: cut the epoch to equal shares instead of padding by wrapping around.
+
+    Raises:
+        ValueError: a negative length, a rank outside ``num_replicas``, or replicas without a seed.
     """
 
     def __init__(self, data_source: Sized | int, *, seed: int | None = None, num_replicas: int = 1,
@@ -126,15 +137,20 @@ class ShuffleSampler:
         self.drop_last, self.epoch = drop_last, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order the next ``iter()`` yields (with a seed)."""
+        """Sets the epoch whose order the next ``iter()`` yields (with a seed).
+
+        Args:
+            epoch: the epoch."""
         self.epoch = epoch
 
     def __len__(self) -> int:
         return num_samples(self.length, self.num_replicas, self.drop_last)
 
     def epoch_seed(self) -> int:
-        """The seed of the order the next ``iter()`` yields: the seed + epoch,
-        or one drawn from torch's global RNG now (as ``iter()`` would)."""
+        """The seed of the order the next ``iter()`` yields.
+
+        Returns:
+            The seed + epoch, or one drawn from torch's global RNG now (as ``iter()`` would)."""
         if self.seed is not None:
             return (self.seed + self.epoch) & _MASK64
         import torch
