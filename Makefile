@@ -6,12 +6,13 @@ PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 PROTOS := $(wildcard protos/dpex/v1/*.proto)
 
-.PHONY: setup proto demo test test-unit test-integration test-docker bench clean
+.PHONY: setup proto demo test test-unit test-integration test-docker bench clean docs docs-serve
 
 setup: $(VENV)/.installed proto
 
 # torch first, pinned: a bare `torch` requirement would pull the CUDA build. The demo needs the
-# package and the proto compiler only; the tests add the `test` and `ray` extras.
+# package and the proto compiler only; the tests add the `test`, `ray` and `docs` extras (the suite
+# builds the docs site).
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
@@ -22,7 +23,7 @@ $(VENV)/.base: pyproject.toml
 # The page test drives Debian's Chromium (Playwright, with no browser download of its
 # own): installed here where it is missing and we may (root); without it that test skips.
 $(VENV)/.installed: $(VENV)/.base
-	$(PIP) install --quiet -e '.[proto,test,ray]'
+	$(PIP) install --quiet -e '.[proto,test,ray,docs]'
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium >/dev/null 2>&1; } \
 		|| echo "Chromium not installed: tests/integration/test_page.py will be skipped"
 	touch $@
@@ -38,6 +39,17 @@ $(VENV)/.proto: $(PROTOS) $(VENV)/.base
 
 demo: $(VENV)/.base proto
 	$(PY) -m dpex.demo
+
+# The docs site (MkDocs; mkdocs.yml is strict: a broken link or a missing reference fails the build).
+$(VENV)/.docs: pyproject.toml $(VENV)/.base
+	$(PIP) install --quiet -e '.[proto,docs]'
+	touch $@
+
+docs: $(VENV)/.docs proto
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(VENV)/.docs proto
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
 # Three test files at a time (pytest-xdist), each on one process, so that a
 # module's shared cluster is started once: the suite waits on daemons and

@@ -61,7 +61,7 @@ _W = WorkerConfig  # its fields' defaults are the flags'
               "keeps them all busy when they run at different speeds.")
 @click.option("--share-cache-bytes", type=ByteSize(), default=_W.share_cache_bytes, envvar="DPEX_SHARE_CACHE_BYTES",
               show_envvar=True, help="Memory for batches made for one job and kept for the other jobs of the "
-              "same definition (a sweep's trials: each batch is made once for all; see README, 'Sharing'); "
+              "same definition (a sweep's trials: each batch is made once for all; see docs/guides/sharing.md); "
               "e.g. 1G or 512M; 0: nothing is shared.")
 @click.option("--sample-cache-bytes", type=ByteSize(), default=_W.sample_cache_bytes,
               envvar="DPEX_SAMPLE_CACHE_BYTES", show_envvar=True,

@@ -137,7 +137,7 @@ def test_lightning_resumes_as_with_torchdatas_stateful_loader(tmp_path):
     """8 batches an epoch, 3 epochs. A checkpoint mid-epoch (step 5) resumes exactly; one at an epoch's last batch
     (step 8: the loader's state still has the epoch in progress, as Lightning stops at len() without pulling
     StopIteration) and Lightning's own epoch-end checkpoint resume with the epochs and batches that torchdata's
-    StatefulDataLoader gives in the same run (Lightning's doing, not the loader's: see README)."""
+    StatefulDataLoader gives in the same run (Lightning's doing, not the loader's: see docs/guides/lightning.md)."""
     pytest.importorskip("torchdata")
     full, first, rest = _lightning_runs(tmp_path / "mid", "dpex", ("full", 0), ("step", 5), ("resume", 5))
     assert len(full) == 24 and first + rest == full  # mid-epoch: exact

@@ -2,7 +2,7 @@
 driven by Playwright. The page at the dispatcher's metrics port loads with no
 console error and nothing fetched from elsewhere, shows the live jobs and
 workers, and changes when the load changes. It leaves its screenshot where
-DPEX_PAGE_SCREENSHOT says (README's picture is one)."""
+DPEX_PAGE_SCREENSHOT says (docs/guides/page.png is one)."""
 import os
 import shutil
 import threading

@@ -59,7 +59,7 @@ def test_later_epochs_and_other_jobs_read_the_samples_back(cluster, tmp_path, ki
 
 
 def epochs_caught(loader, n):
-    """``n`` epochs of a loop that catches the worker's errors and goes on, as README allows: the
+    """``n`` epochs of a loop that catches the worker's errors and goes on, as the docs allow: the
     samples each epoch yielded, and the errors."""
     out = []
     for _ in range(n):

@@ -240,7 +240,7 @@ def test_a_disruption_budget_and_network_policies_cover_the_pods_and_their_ports
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_image_set_in_the_base_reaches_every_container_of_every_overlay(variant, tmp_path):
-    # README's step (`kustomize edit set image dpex=REGISTRY/dpex:TAG` in base) left the
+    # deploying's step (`kustomize edit set image dpex=REGISTRY/dpex:TAG` in base) left the
     # daemonset overlay's DaemonSet on dpex:latest (issue 61). The edit, as kustomize makes it:
     import shutil
     import yaml

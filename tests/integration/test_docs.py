@@ -1,0 +1,187 @@
+"""The documentation as a reader meets it (issue 60): the site builds strictly (a broken link or a missing
+API reference fails), README is a front door whose first screen shows the one-line change and whose links
+all lead somewhere, every Python example in it and in the docs runs (given what it leaves to the reader, a cluster where it names one), and the built site's pages
+are what a browser shows (their screenshots are saved where DPEX_DOCS_SCREENSHOTS says: docs/screenshots)."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FIRST_SCREEN = 24  # lines
+
+
+def blocks(path: Path, lang: str = "python") -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```$", path.read_text(), flags=re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def test_the_site_builds_strictly_with_every_page_in_the_nav_and_the_api_from_the_docstrings(site):
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    nav = set(re.findall(r":\s*([\w/.-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M))
+    assert pages == nav, (pages - nav, nav - pages)  # no page left out of the reader's path, none missing
+    api = (site / "reference" / "api" / "index.html").read_text()
+    for name in ("dpex.DpexDataLoader", "dpex.RemoteDataLoader", "dpex.DatasetSpec", "dpex.LocalCluster",
+                 "dpex.ShuffleSampler", "dpex.errors.DpexWorkerError"):
+        assert f'id="{name}"' in api, name
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    for flag in ("--work-dir", "--processes", "--heartbeat-timeout", "DPEX_DISPATCHER"):
+        assert flag in cli, flag
+    protocol = (site / "reference" / "protocol" / "index.html").read_text()
+    assert all(message in protocol for message in ("RegisterWorkerRequest", "FetchRequest", "WorkerLost"))
+
+
+def test_readme_is_a_front_door_whose_links_all_lead_somewhere():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 200
+    for page in (readme, (ROOT / "docs" / "index.md").read_text().splitlines()):
+        assert any("distribute_mode=True" in line for line in page[:FIRST_SCREEN])
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", "\n".join(readme)):
+        if not re.match(r"\w+://", target):
+            assert (ROOT / target).exists(), target
+
+
+# What a page's example leaves to the reader, given here: names it uses, a package the workers import (the
+# examples' `mypkg`), and its placeholder addresses, which become the module's cluster. A block whose rule says
+# "check" cannot run here (a loop for ever, a Ray cluster with a data path): it must compile and name only
+# what exists. Any other block runs as written; a new one without a rule must too.
+DATASET = ("import torch\nfrom torch.utils.data import TensorDataset\n"
+           "dataset = TensorDataset(torch.arange(64.0).unsqueeze(1), torch.arange(64))\n")
+RULES = {
+    ("docs/index.md", "DpexDataLoader(dataset"): {"prelude": DATASET},
+    ("README.md", "DpexDataLoader(dataset"): {"prelude": DATASET},
+    ("docs/get-started.md", "== torch_batches"): {"continues": True},  # the page's script before it
+    ("docs/guides/dpexdataloader.md", "worker_init_fn=init"): {
+        "prelude": DATASET + "init = lambda worker_id: None\ng = torch.Generator().manual_seed(0)\n"},
+    ("docs/guides/accelerate.md", "prepare_data_loader"): {
+        "prelude": DATASET + "from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n",
+        "after": "assert sum(len(y) for _, y in loader) == 64\n"},
+    ("docs/guides/waiting.md", "loader.stats()"): {
+        "prelude": DATASET + "import dpex\nloader = dpex.DpexDataLoader(dataset, distribute_mode=True, "
+                             "batch_size=8)\nassert sum(1 for _ in loader) == 8\n"},
+    ("README.md", "mypkg.data:Shapes"): {"cluster": True},
+    ("docs/guides/loader.md", "mypkg.data:Shapes"): {"cluster": True},
+    ("docs/guides/sharing.md", "mypkg.data:Images"): {"cluster": True, "prelude": "import dpex\n",
+                                                      "after": "assert sum(1 for _ in loader) == 32\n"},
+    ("docs/guides/autoscaling.md", "while True"): {"check": ("dpex.rpc:call", "dpex.rpc:channel")},
+    ("docs/guides/ray.md", "dpex.ray.start"): {"check": ("dpex.ray:start", "dpex.ray:status", "dpex.ray:stop",
+                                                         "dpex.ray:RayConfig")},
+}
+MYPKG = """
+import torch
+
+class Shapes(torch.utils.data.Dataset):  # stands in for a dataset read from the worker's own files
+    def __init__(self, root):
+        self.root = root
+    def __len__(self):
+        return 256
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), float(i)), i
+
+Images = lambda root: torch.utils.data.TensorDataset(torch.zeros(8192, 1), torch.arange(8192))
+"""
+PLACEHOLDERS = ("dpex://10.0.0.1:7070", "dispatcher:7070")
+
+
+def examples() -> list[tuple[str, int, str]]:
+    pages = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    return [(page, k, code) for page in pages for k, code in enumerate(blocks(ROOT / page))]
+
+
+@pytest.fixture(scope="module")
+def docs_cluster(tmp_path_factory):
+    from dpex import LocalCluster
+    where = tmp_path_factory.mktemp("mypkg")
+    (where / "mypkg").mkdir()
+    (where / "mypkg" / "__init__.py").write_text("")
+    (where / "mypkg" / "data.py").write_text(MYPKG)
+    with LocalCluster(num_workers=1, processes=2, env={"PYTHONPATH": str(where)}) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("page,index,code", [pytest.param(*e, id=f"{e[0]}[{e[1]}]") for e in examples()])
+def test_every_python_example_in_readme_and_the_docs_runs(request, tmp_path, page, index, code):
+    rule = next((r for (where, key), r in RULES.items() if where == page and key in code), {})
+    if "check" in rule:
+        compile(code, f"{page}[{index}]", "exec")
+        import importlib
+        for name in rule["check"]:
+            module, attr = name.split(":")
+            assert hasattr(importlib.import_module(module), attr), name
+        return
+    if rule.get("continues"):
+        code = blocks(ROOT / page)[index - 1] + code
+    code = rule.get("prelude", "") + code.replace("    ...\n", "    pass\n") + rule.get("after", "")
+    env = dict(os.environ)
+    if rule.get("cluster"):
+        cluster = request.getfixturevalue("docs_cluster")
+        for placeholder in PLACEHOLDERS:
+            code = code.replace(placeholder, cluster.address)
+        code = code.replace("range(10)", "range(2)")  # two epochs tell as much as ten
+    (tmp_path / "example.py").write_text(code)  # a file, as a reader runs it (a spawned child imports it again)
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env=env)
+    assert done.returncode == 0, f"{page} block {index}:\n{code}\n{done.stderr[-4000:]}"
+
+
+def test_every_rule_still_names_an_example():
+    found = examples()
+    for where, key in RULES:
+        assert any(page == where and key in code for page, _, code in found), (where, key)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian's chromium package)")
+@pytest.mark.parametrize("page", ["index.html", "reference/api/index.html"])
+def test_the_built_pages_are_what_a_browser_shows(site, tmp_path, page):
+    where = Path(os.environ.get("DPEX_DOCS_SCREENSHOTS") or tmp_path)
+    shot = where / (page.replace("/index.html", "").replace("/", "-").replace(".html", "") + ".png")
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1280,900", f"--screenshot={shot}", (site / page).as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def shell_lines() -> list[tuple[str, str]]:
+    pages = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    return [(page, line.split(" #")[0].strip()) for page in pages for lang in ("sh", "bash")
+            for block in blocks(ROOT / page, lang) for line in block.splitlines() if line.split(" #")[0].strip()]
+
+
+def test_every_shell_example_names_flags_targets_and_files_that_exist():
+    """What cannot run here (a daemon for ever, docker, kubectl against a cluster) is checked for what can be:
+    the Dpex commands' flags are theirs, make's targets are the Makefile's, the paths are the checkout's."""
+    from dpex.cmd import dispatcher, status, worker
+    commands = {"dpex-dispatcher": dispatcher.main, "dpex-worker": worker.main}
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    lines = shell_lines()
+    assert len(lines) > 20
+    for page, line in lines:
+        words = line.split()
+        for k, word in enumerate(words):
+            starts = k == 0 or words[k - 1] == "&&" or "=" in words[k - 1]  # a command, after VAR=value too
+            command = commands.get(word) if starts else None
+            if starts and word == "dpex" and k + 1 < len(words):
+                command = status.main.commands.get(words[k + 1])
+                assert command is not None, (page, line)
+            if command is not None:
+                flags = {o for p in command.params for o in getattr(p, "opts", [])}
+                for flag in (w.split("=")[0].strip("[]") for w in words[k + 1:] if w.lstrip("[").startswith("--")):
+                    assert flag in flags, (page, line, flag)
+            if word == "make" and k + 1 < len(words):
+                assert words[k + 1] in targets, (page, line)
+            path = word.split("=", 1)[-1]
+            if re.match(r"(deploy|docker|benchmarks|examples|tests)/", path):
+                assert (ROOT / path).exists(), (page, line, path)
