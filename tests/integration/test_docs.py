@@ -96,9 +96,13 @@ Images = lambda root: torch.utils.data.TensorDataset(torch.zeros(8192, 1), torch
 PLACEHOLDERS = ("dpex://10.0.0.1:7070", "dispatcher:7070")
 
 
+def pages() -> list[str]:
+    """README, then every docs page, as paths from the checkout's root."""
+    return ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
+
+
 def examples() -> list[tuple[str, int, str]]:
-    pages = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
-    return [(page, k, code) for page in pages for k, code in enumerate(blocks(ROOT / page))]
+    return [(page, k, code) for page in pages() for k, code in enumerate(blocks(ROOT / page))]
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +129,13 @@ def test_every_python_example_in_readme_and_the_docs_runs(request, tmp_path, pag
     if rule.get("continues"):
         code = blocks(ROOT / page)[index - 1] + code
     code = rule.get("prelude", "") + code.replace("    ...\n", "    pass\n") + rule.get("after", "")
-    env = dict(os.environ)
     if rule.get("cluster"):
         cluster = request.getfixturevalue("docs_cluster")
         for placeholder in PLACEHOLDERS:
             code = code.replace(placeholder, cluster.address)
         code = code.replace("range(10)", "range(2)")  # two epochs tell as much as ten
     (tmp_path / "example.py").write_text(code)  # a file, as a reader runs it (a spawned child imports it again)
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env=env)
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{page} block {index}:\n{code}\n{done.stderr[-4000:]}"
 
 
@@ -155,8 +157,7 @@ def test_the_built_pages_are_what_a_browser_shows(site, tmp_path, page):
 
 
 def shell_lines() -> list[tuple[str, str]]:
-    pages = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
-    return [(page, line.split(" #")[0].strip()) for page in pages for lang in ("sh", "bash")
+    return [(page, line.split(" #")[0].strip()) for page in pages() for lang in ("sh", "bash")
             for block in blocks(ROOT / page, lang) for line in block.splitlines() if line.split(" #")[0].strip()]
 
 
