@@ -60,6 +60,9 @@ def test_readme_is_a_front_door_whose_links_all_lead_somewhere():
 # what exists. Any other block runs as written; a new one without a rule must too.
 DATASET = ("import torch\nfrom torch.utils.data import TensorDataset\n"
            "dataset = TensorDataset(torch.arange(64.0).unsqueeze(1), torch.arange(64))\n")
+FREE_PORT = ("import os, socket\nif __name__ == '__main__':  # not again in a spawned child\n"
+             "    with socket.socket() as s:\n        s.bind(('127.0.0.1', 0))\n"
+             "        os.environ['MASTER_PORT'] = str(s.getsockname()[1])\n")  # where the page fixes one
 RULES = {
     ("docs/index.md", "DpexDataLoader(dataset"): {"prelude": DATASET},
     ("README.md", "DpexDataLoader(dataset"): {"prelude": DATASET},
@@ -76,6 +79,8 @@ RULES = {
     ("docs/guides/loader.md", "mypkg.data:Shapes"): {"cluster": True},
     ("docs/guides/sharing.md", "mypkg.data:Images"): {"cluster": True, "prelude": "import dpex\n",
                                                       "after": "assert sum(1 for _ in loader) == 32\n"},
+    ("docs/guides/spawn.md", "mp.spawn(train"): {"prelude": FREE_PORT},
+    ("docs/guides/ddp.md", "init_process_group"): {"torchrun": 2},
     ("docs/guides/autoscaling.md", "while True"): {"check": ("dpex.rpc:call", "dpex.rpc:channel")},
     ("docs/guides/ray.md", "dpex.ray.start"): {"check": ("dpex.ray:start", "dpex.ray:status", "dpex.ray:stop",
                                                          "dpex.ray:RayConfig")},
@@ -135,7 +140,10 @@ def test_every_python_example_in_readme_and_the_docs_runs(request, tmp_path, pag
             code = code.replace(placeholder, cluster.address)
         code = code.replace("range(10)", "range(2)")  # two epochs tell as much as ten
     (tmp_path / "example.py").write_text(code)  # a file, as a reader runs it (a spawned child imports it again)
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={rule['torchrun']}",
+                "--log-dir", str(tmp_path / "logs")] if "torchrun" in rule else []
+    done = subprocess.run([sys.executable, *launcher, "example.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, f"{page} block {index}:\n{code}\n{done.stderr[-4000:]}"
 
 
@@ -184,5 +192,68 @@ def test_every_shell_example_names_flags_targets_and_files_that_exist():
             if word == "make" and k + 1 < len(words):
                 assert words[k + 1] in targets, (page, line)
             path = word.split("=", 1)[-1]
-            if re.match(r"(deploy|docker|benchmarks|examples|tests)/", path):
-                assert (ROOT / path).exists(), (page, line, path)
+            if re.match(r"(deploy|docker|benchmarks|examples|tests)/", path):  # the checkout's, or the reader's own
+                made = re.findall(r"[Ss]ave it as `([^`]+)`", (ROOT / page).read_text())
+                assert (ROOT / path).exists() or any(m.startswith(path) for m in made), (page, line, path)
+
+
+def metric_rows(url: str) -> dict[str, tuple[str, str | None, str]]:
+    """A daemon's series as the metrics page's table has them: name -> (type, labels, its HELP); labels None
+    for a family with no sample yet (the exposition names no labels then: the page's are not checked)."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    rows = {}
+    for family in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+        if family.name.startswith(("process_", "python_")):
+            continue  # prometheus-client's own: one line of prose on the page
+        labels = sorted({k for s in family.samples for k in s.labels if k != "le"})
+        rows[family.name + ("_total" if family.type == "counter" else "")] = (
+            family.type, ", ".join(f"`{k}`" for k in labels) if family.samples else None, family.documentation)
+    return rows
+
+
+def page_rows(page: str, heading: str) -> dict[str, tuple[str, str, str]]:
+    """The table under ``heading`` (a `## ` line) of a page: series -> (type, labels, meaning)."""
+    section = (ROOT / page).read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
+             if line.startswith("| `")]
+    return {name.strip("`"): (kind, labels, meaning) for name, kind, labels, meaning in cells}
+
+
+def test_the_metrics_page_lists_every_series_each_daemon_serves(tmp_path):
+    """The reference's tables are what the daemons serve after an epoch (a journal, a job, a worker's
+    load): every series with its type, labels and help, none missing and none that is gone."""
+    import dpex
+    from dpex import LocalCluster
+    dataset = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=32, delay_s=0.0)
+    with LocalCluster(num_workers=1, metrics=True, work_dir=str(tmp_path / "journal")) as cluster:
+        with dpex.RemoteDataLoader(cluster.address, dataset, batch_size=4, job_name="seen") as loader:
+            assert sum(1 for _ in loader) == 8
+            served = {"The dispatcher's": metric_rows(cluster.dispatcher.metrics_url),
+                      "A worker's": metric_rows(cluster.workers[0].metrics_url)}
+    for heading, rows in served.items():
+        page = page_rows("docs/reference/metrics.md", heading)
+        assert sorted(page) == sorted(rows), heading  # every series, none that is gone
+        for name, (kind, labels, meaning) in rows.items():
+            assert page[name][0] == kind and page[name][2] == meaning, name
+            assert labels is None or page[name][1] == labels, name
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
+def test_every_kustomization_in_the_docs_renders_into_its_namespace(tmp_path):
+    """A guide's overlay, saved where it says (deploy/kubernetes/overlays/mine), renders with kubectl kustomize
+    into objects the Kubernetes schema accepts, all in its namespace, KEDA's query reading that namespace."""
+    import yaml
+    from dpex.testing import kube
+    found = [(page, code) for page in pages() for code in blocks(ROOT / page, "yaml") if "kind: Kustomization" in code]
+    assert found
+    for k, (page, code) in enumerate(found):
+        tree = shutil.copytree(ROOT / "deploy" / "kubernetes", tmp_path / str(k))
+        (tree / "overlays" / "mine").mkdir()
+        (tree / "overlays" / "mine" / "kustomization.yaml").write_text(code)
+        objects = kube.render(str(tree / "overlays" / "mine"))
+        kube.validate([o for o in objects if o["kind"] != "ScaledObject"])
+        namespace = yaml.safe_load(code)["namespace"]
+        assert {o["metadata"].get("namespace") for o in objects} == {namespace}, page
+        for scaled in (o for o in objects if o["kind"] == "ScaledObject"):
+            assert f'namespace="{namespace}"' in scaled["spec"]["triggers"][0]["metadata"]["query"], page
