@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 PROTOS := $(wildcard protos/dpex/v1/*.proto)
 
-.PHONY: setup proto demo test test-durations test-unit test-integration test-docker bench clean docs docs-serve
+.PHONY: setup proto demo test test-unit test-integration test-docker bench clean docs docs-serve
 
 setup: $(VENV)/.installed proto
 
@@ -55,15 +55,10 @@ docs-serve: $(VENV)/.docs proto
 # module's shared cluster is started once: the suite waits on daemons and
 # sockets a third of its time, so three keep both cores of a 2-core machine
 # busy where two left them 40 % idle (measured: 1.17 cores busy with -n 2).
-# The files go out longest first (tests/ordering.py), not xdist's most-tests-first.
-PARALLEL := -n 3 --dist loadfile --no-loadscope-reorder
+PARALLEL := -n 3 --dist loadfile
 
 test: setup
 	$(PY) -m pytest $(PARALLEL) tests
-
-# Measures each file's time anew for that ordering (tests/durations.json).
-test-durations: setup
-	$(PY) -m pytest $(PARALLEL) --store-durations tests
 
 test-unit: setup
 	$(PY) -m pytest $(PARALLEL) tests/unit

@@ -14,8 +14,6 @@ import pytest
 from dpex import procutil, shm
 from dpex.testing import wait_until
 
-pytest_plugins = ["tests.ordering"]  # the files, longest first
-
 _BEFORE = pytest.StashKey[set]()
 _LEFT = pytest.StashKey[list]()
 
