@@ -81,6 +81,7 @@ RULES = {
                                                       "after": "assert sum(1 for _ in loader) == 32\n"},
     ("docs/guides/spawn.md", "mp.spawn(train"): {"prelude": FREE_PORT},
     ("docs/guides/ddp.md", "init_process_group"): {"torchrun": 2},
+    ("docs/guides/resume.md", "def resume(loader"): {"check": ("dpex:DpexDataLoader",)},
     ("docs/guides/autoscaling.md", "while True"): {"check": ("dpex.rpc:call", "dpex.rpc:channel")},
     ("docs/guides/ray.md", "dpex.ray.start"): {"check": ("dpex.ray:start", "dpex.ray:status", "dpex.ray:stop",
                                                          "dpex.ray:RayConfig")},

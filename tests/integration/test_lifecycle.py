@@ -67,8 +67,8 @@ def test_close_removes_the_handoff_files_of_a_worker_killed_with_sigkill():
             assert len(list(dl)) == 16
         directories = [os.path.join(shm.SHM, f"dpex-{w.process.pid}") for w in c.workers]
         assert all(os.path.isdir(d) for d in directories)
-        c.kill_worker(0)  # it cannot remove its own directory
-        assert os.path.isdir(directories[0])
+        c.kill_worker(0)  # it cannot remove its own directory: the cluster's close does, or any other Dpex
+        # process that starts meanwhile (another test's, beside this one): either way, none is left
     assert not any(os.path.exists(d) for d in directories)
 
 
