@@ -258,3 +258,15 @@ def test_every_kustomization_in_the_docs_renders_into_its_namespace(tmp_path):
         assert {o["metadata"].get("namespace") for o in objects} == {namespace}, page
         for scaled in (o for o in objects if o["kind"] == "ScaledObject"):
             assert f'namespace="{namespace}"' in scaled["spec"]["triggers"][0]["metadata"]["query"], page
+
+
+def test_every_environment_variable_dpex_reads_is_documented():
+    """A ``DPEX_*`` name in the package is a flag's (the CLI reference lists it, from click) or is on the
+    environment variables page."""
+    from dpex.cmd import dispatcher, status, worker
+    commands = [dispatcher.main, worker.main, *status.main.commands.values()]
+    flags = {p.envvar for c in commands for p in c.params if isinstance(getattr(p, "envvar", None), str)}
+    page = (ROOT / "docs" / "reference" / "environment.md").read_text()
+    named = {m for path in (ROOT / "dpex").rglob("*.py") for m in re.findall(r"[\"'](DPEX_[A-Z_]+)[\"']", path.read_text())}
+    assert named, "found none: the search is wrong"
+    assert {n for n in named - flags if f"`{n}" not in page} == set()
