@@ -230,8 +230,8 @@ def test_the_metrics_page_lists_every_series_each_daemon_serves(tmp_path):
     with LocalCluster(num_workers=1, metrics=True, work_dir=str(tmp_path / "journal")) as cluster:
         with dpex.RemoteDataLoader(cluster.address, dataset, batch_size=4, job_name="seen") as loader:
             assert sum(1 for _ in loader) == 8
-            served = {"The dispatcher's": metric_rows(cluster.dispatcher.metrics_url),
-                      "A worker's": metric_rows(cluster.workers[0].metrics_url)}
+            served = {"The dispatcher's series": metric_rows(cluster.dispatcher.metrics_url),
+                      "A worker's series": metric_rows(cluster.workers[0].metrics_url)}
     for heading, rows in served.items():
         page = page_rows("docs/reference/metrics.md", heading)
         assert sorted(page) == sorted(rows), heading  # every series, none that is gone
