@@ -37,6 +37,19 @@ def render(path: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
+def render_installation(deploy: str, kustomization: str) -> list[dict[str, Any]]:
+    """The objects an installation's own ``kustomization`` (its text) renders, saved where the docs say:
+    ``overlays/mine`` of a copy of the ``deploy`` tree (``deploy/kubernetes``), so that its
+    ``../../base`` and ``../../components/...`` are the shipped ones."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = shutil.copytree(deploy, os.path.join(tmp, "kubernetes"))
+        os.makedirs(os.path.join(tree, "overlays", "mine"))
+        with open(os.path.join(tree, "overlays", "mine", "kustomization.yaml"), "w") as f:
+            f.write(kustomization)
+        return render(os.path.join(tree, "overlays", "mine"))
+
+
 def validate(objects: list[dict[str, Any]], version: str = KUBERNETES_VERSION) -> None:
     """Every object against the schema of ``version``, strictly (an unknown field fails)."""
     import kubernetes_validate

@@ -61,7 +61,7 @@ SCALED_OBJECT = {
     }}
 SAMPLES = 120
 
-needs_kubectl = pytest.mark.skipif(not __import__("shutil").which("kubectl"), reason="needs kubectl")
+needs_kubectl = pytest.mark.skipif(not shutil.which("kubectl"), reason="needs kubectl")
 
 
 def rendered(variant: str) -> list[dict]:
@@ -69,7 +69,6 @@ def rendered(variant: str) -> list[dict]:
     components (and, with keda, overlays/keda's replacement), in namespace team-a."""
     if not variant.startswith("components/"):
         return kube.render(os.path.join(DEPLOY, variant))
-    import tempfile
     import yaml
     components = variant.removeprefix("components/").split("+")
     config = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "team-a",
@@ -77,12 +76,7 @@ def rendered(variant: str) -> list[dict]:
     if "keda" in components:
         keda = yaml.safe_load(open(os.path.join(DEPLOY, "overlays", "keda", "kustomization.yaml")))
         config["replacements"] = keda["replacements"]
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = shutil.copytree(DEPLOY, os.path.join(tmp, "kubernetes"))
-        os.makedirs(os.path.join(tree, "overlays", "mine"))
-        with open(os.path.join(tree, "overlays", "mine", "kustomization.yaml"), "w") as f:
-            yaml.safe_dump(config, f)
-        return kube.render(os.path.join(tree, "overlays", "mine"))
+    return kube.render_installation(DEPLOY, yaml.safe_dump(config))
 
 
 def quantity(text) -> float:
@@ -242,7 +236,6 @@ def test_a_disruption_budget_and_network_policies_cover_the_pods_and_their_ports
 def test_the_image_set_in_the_base_reaches_every_container_of_every_overlay(variant, tmp_path):
     # deploying's step (`kustomize edit set image dpex=REGISTRY/dpex:TAG` in base) left the
     # daemonset overlay's DaemonSet on dpex:latest (issue 61). The edit, as kustomize makes it:
-    import shutil
     import yaml
     tree = tmp_path / "kubernetes"
     shutil.copytree(DEPLOY, tree)
