@@ -6,8 +6,10 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 PARENT_ENV = "DPEX_PARENT_PID"
@@ -127,3 +129,41 @@ def map_big_buffers(threshold_mb: int = 1, keep_mb: int = 64) -> None:
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, threshold_mb << 20)
         mallopt(_M_TRIM_THRESHOLD, keep_mb << 20)
+
+
+class ChildProcess:
+    """What a LocalCluster needs of a ``subprocess.Popen`` (``pid``, ``returncode``, ``poll``, ``wait``,
+    signals), for a process started otherwise: a subclass says how its end is learnt (``_collect``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _collect(self, timeout: float) -> None:
+        """Sets ``returncode`` if the process ends within ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._collect(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.05 if deadline is None else min(deadline - time.monotonic(), 0.05)
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)  # type: ignore[arg-type]
+            self._collect(left)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+

@@ -13,46 +13,28 @@ import gc
 import os
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 from dpex import stdlib
+from dpex.procutil import ChildProcess
 
-class ForkedProcess:
-    """What LocalCluster needs of a subprocess.Popen, for a forked child."""
+class ForkedProcess(ChildProcess):
+    """A child forked here, as a ``subprocess.Popen``."""
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
+        super().__init__(pid)
         self._lock = threading.Lock()
 
-    def poll(self) -> int | None:
+    def _collect(self, timeout: float) -> None:
         with self._lock:
             if self.returncode is None:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker (pid {self.pid})", timeout)  # type: ignore[arg-type]
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+                    return
+        time.sleep(min(timeout, 0.01))
 
 
 def fork_worker(processes: int, address_pipe: int, ready: str, log_path: str,

@@ -16,6 +16,7 @@ from dpex.auth import TOKEN_ENV
 from dpex.daemon import Daemon, await_ready, spawn, stop_process
 from dpex.procutil import PARENT_ENV, remove_dead_temp_dirs, temp_dir
 from dpex import shm
+from dpex.launch import warmstart
 
 _log = logging.getLogger("dpex.launch")
 
@@ -65,6 +66,11 @@ class LocalCluster:
         log_dir: where the daemons' logs go; None: a new temporary directory, removed on close.
         own_session: start the daemons in a session of their own, out of reach of a Ctrl-C (SIGINT) to
             the starter's process group: they stop with the starter, which may ignore or handle SIGINT.
+        warm_start: (Linux) fork the daemons from one process per starter that has imported torch, gRPC
+            and Dpex once (:mod:`dpex.launch.warmstart`), rather than start each as a new interpreter: a
+            worker serves in a fraction of a second, not after a second of imports. For tests and
+            notebooks that start many clusters; what modules read from the environment when imported
+            (torch's threads, gRPC) is then the first cluster's.
 
     Raises:
         DpexConfigError: fewer than 0 workers or 1 process.
@@ -80,7 +86,7 @@ class LocalCluster:
                  dispatcher_flags: tuple[str, ...] = (), worker_flags: tuple[str, ...] = (),
                  start_timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
                  drain_timeout_s: float = WorkerConfig.drain_timeout_s, log_dir: str | None = None,
-                 own_session: bool = False) -> None:
+                 own_session: bool = False, warm_start: bool = False) -> None:
         if num_workers < 0 or processes < 1:
             raise DpexConfigError("num_workers must be >= 0 and processes >= 1")
         self.host = host
@@ -90,6 +96,7 @@ class LocalCluster:
         self._drain_timeout_s = drain_timeout_s
         self._start_timeout_s = start_timeout_s
         self._own_session = own_session
+        self._warm_start = warm_start and warmstart.available()
         # The daemons set their parent-death signal themselves (dpex.procutil).
         self._env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         if auth_token:  # through the environment: a command line is visible to every user
@@ -121,15 +128,34 @@ class LocalCluster:
     # ---- daemons --------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str],
                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
+        starter = self._starter()  # before the lock: the first one imports torch
         with self._procs.lock:
             if self._procs.closed:
                 raise DpexError(f"the cluster is stopping: no {name} starts")
             self._count += 1
             stem = os.path.join(self.log_dir, f"{name}-{self._count}")
             ready, log_path = stem + ".ready", stem + ".log"
-            process = spawn(args, ready, log_path, {**self._env, **(env or {})}, start_new_session=self._own_session)
+            env = {**self._env, **(env or {})}
+            process = None
+            if starter is not None:
+                try:
+                    process = starter.start(args[0], [*args[1:], "--ready-file", ready], env, log_path,
+                                            session=self._own_session)
+                except OSError as e:  # it died: a new interpreter does the same
+                    _log.warning("starting the %s as a new interpreter: %s", name, e)
+            if process is None:
+                process = spawn(args, ready, log_path, env, start_new_session=self._own_session)
             self._procs.starting.add(process)
         return process, ready, log_path
+
+    def _starter(self) -> warmstart.WarmStarter | None:
+        if not self._warm_start:
+            return None
+        try:
+            return warmstart.starter()
+        except OSError as e:  # it could not start: each daemon is a new interpreter, as without warm_start
+            _log.warning("no warm start: %s", e)
+            return None
 
     def _serving(self, name: str, spawned: tuple[Any, str, str], keep: Callable[[Daemon], None]) -> Daemon:
         """Waits for a daemon ``_spawn`` started to serve, then ``keep``s it in

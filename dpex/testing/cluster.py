@@ -32,6 +32,9 @@ def test_cluster(num_workers: int = 2, processes: int = 1, **kwargs: Any) -> Loc
     # Every batch through a /dev/shm hand-off file, so that the same-host path
     # meets every failure the tests make.
     kwargs.setdefault("worker_flags", ("--shm-min-kb", "0"))
+    # Forked from a process that imported torch once: the suite starts some two hundred workers, each
+    # of which would import it again (a fifth of the suite's CPU). LocalCluster's own tests spawn.
+    kwargs.setdefault("warm_start", True)
     return LocalCluster(num_workers=num_workers, processes=processes, **kwargs)
 
 
