@@ -75,7 +75,8 @@ class WarmStarter:
     def start(self, module: str, args: list[str], env: dict[str, str], log_path: str,
               session: bool = False) -> WarmProcess:
         """Forks ``python -m MODULE ARGS`` (output appended to ``log_path``)."""
-        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "log": log_path, "session": session}
+        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "log": log_path, "session": session,
+                   "ignored": _ignored_signals()}
         with self._lock:
             if self.lost:
                 raise OSError("the warm starter is gone")
@@ -131,6 +132,33 @@ class WarmStarter:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+# Python ignores these itself at start (a child of Popen has them at their defaults until then).
+_PYTHONS_OWN = (signal.SIGPIPE, signal.SIGXFSZ)
+
+
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores: a process it starts ignores them too (nohup's SIGHUP, a shell's
+    SIGINT for a background job), and Python then leaves SIGINT ignored."""
+    return [int(sig) for sig in signal.valid_signals()
+            if sig not in _PYTHONS_OWN and signal.getsignal(sig) == signal.SIG_IGN]
+
+
+def _signals_as_started(ignored: list[int]) -> None:
+    """In the child: the signals as a new interpreter started by the starter's own process has them."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if sig in ignored or sig in _PYTHONS_OWN:
+            want: Any = signal.SIG_IGN
+        else:
+            want = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        try:
+            if signal.getsignal(sig) != want:
+                signal.signal(sig, want)
+        except (OSError, ValueError):  # one Python cannot set
+            pass
 
 
 _starter: WarmStarter | None = None
@@ -243,9 +271,7 @@ def _run(request: dict[str, Any], fds: tuple[int, ...]) -> int:
     signal.set_wakeup_fd(-1)
     for fd in fds:
         os.close(fd)
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _signals_as_started(request["ignored"])
     if request["session"]:
         os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -25,9 +25,8 @@ PROBE = textwrap.dedent("""
             "pythonpath": os.environ["PYTHONPATH"] in sys.path, "probe_env": os.environ.get("PROBE"),
             "tmp": tempfile.gettempdir(), "parent_is_ppid": os.environ.get("DPEX_PARENT_PID") == str(os.getppid()),
             "own_session": os.getsid(0) == os.getpid(),
-            "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-            "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "sigchld": signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL,
+            "signals": {int(s): str(signal.getsignal(s)) for s in signal.valid_signals()
+                        if s not in (signal.SIGKILL, signal.SIGSTOP)},
             "stdin": os.read(0, 10).decode(),
             # what must differ between two daemons, as between two interpreters:
             "torch": torch.initial_seed(), "numpy": int(numpy.random.randint(2**31)), "authkey": multiprocessing.current_process().authkey.hex(),
@@ -61,8 +60,21 @@ def run(how, env, tmp_path, name, code=0, session=False):
     return json.loads(out.read_text())
 
 
+@pytest.fixture(params=["at a terminal", "in the background"])
+def starters_signals(request):
+    """SIGINT and SIGHUP as the process that starts the daemons has them: handled, or ignored (a shell's
+    background job ignores SIGINT, nohup SIGHUP: the processes it starts inherit that)."""
+    ignored = request.param == "in the background"
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 @pytest.mark.parametrize("session", [False, True])
-def test_a_warm_started_module_sees_what_a_new_interpreter_sees(probe, tmp_path, session):
+def test_a_warm_started_module_sees_what_a_new_interpreter_sees(probe, tmp_path, session, starters_signals):
     spawned = run("spawn", probe, tmp_path, "spawned", 3, session)
     warm = run("warm", probe, tmp_path, "warm", 3, session)
     again = run("warm", probe, tmp_path, "again", 3, session)
