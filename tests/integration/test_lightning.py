@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -139,11 +140,17 @@ def test_lightning_resumes_as_with_torchdatas_stateful_loader(tmp_path):
     StopIteration) and Lightning's own epoch-end checkpoint resume with the epochs and batches that torchdata's
     StatefulDataLoader gives in the same run (Lightning's doing, not the loader's: see docs/guides/lightning.md)."""
     pytest.importorskip("torchdata")
-    full, first, rest = _lightning_runs(tmp_path / "mid", "dpex", ("full", 0), ("step", 5), ("resume", 5))
+    # Five runs of their own folders, at once: each is its runs one after the other (a resume reads the checkpoint
+    # its run before wrote), and each Lightning process waits for its imports more than the machine's cores.
+    chains = {"mid": ("dpex", ("full", 0), ("step", 5), ("resume", 5))}
+    for which in ("dpex", "torchdata"):
+        chains[f"{which}/last-batch"] = (which, ("step", 8), ("resume", 8))
+        chains[f"{which}/epoch-end"] = (which, ("epoch", 8), ("resume", 8))
+    with ThreadPoolExecutor(len(chains)) as pool:
+        done = {name: pool.submit(_lightning_runs, tmp_path / name, *chain) for name, chain in chains.items()}
+        got = {name: future.result() for name, future in done.items()}
+    full, first, rest = got["mid"]
     assert len(full) == 24 and first + rest == full  # mid-epoch: exact
-    runs, oracle = [], []
-    for which, out in (("dpex", runs), ("torchdata", oracle)):
-        out += _lightning_runs(tmp_path / which / "last-batch", which, ("step", 8), ("resume", 8))
-        out += _lightning_runs(tmp_path / which / "epoch-end", which, ("epoch", 8), ("resume", 8))
+    runs, oracle = ([*got[f"{which}/last-batch"], *got[f"{which}/epoch-end"]] for which in ("dpex", "torchdata"))
     assert [[e for e, _ in run] for run in runs] == [[e for e, _ in run] for run in oracle]
     assert runs[0] + runs[1] != full  # and neither is the uninterrupted run: Lightning skips an epoch there
