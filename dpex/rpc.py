@@ -39,6 +39,8 @@ FLOW_OPTIONS = [
     ("grpc.http2.lookahead_bytes", 64 << 20),
 ]
 
+CONNECT_ATTEMPT_MS = 3_000
+
 CHANNEL_OPTIONS = [
     *FLOW_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -51,8 +53,13 @@ CHANNEL_OPTIONS = [
     # A peer that comes back is found within a second: gRPC's default reconnect
     # backoff grows to 120 s, which kept workers away from a restarted dispatcher.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
+    # Not the time between attempts but each attempt's least time to connect (gRPC's
+    # MIN_CONNECT_TIMEOUT, 20 s by default): at 100 ms, a handshake slower than that
+    # (a loaded host, a slow link, TLS far away) failed as UNAVAILABLE, and one over a
+    # second (the backoff's cap) never succeeded. A peer that is cut off holds a new
+    # call this long before it fails over.
+    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
 ]
 
 

@@ -31,3 +31,49 @@ def serving(*handlers: grpc.GenericRpcHandler) -> Iterator[str]:
         loop.run(server.stop(None))
         threads.shutdown(wait=False)
         loop.close()
+
+
+@contextlib.contextmanager
+def slow_link(upstream: str, first_answer_s: float) -> Iterator[str]:
+    """A TCP proxy to ``upstream`` whose answers on each connection start ``first_answer_s`` late, as a
+    peer's over a slow link or on a loaded host: its HTTP/2 handshake takes that long. Yields its address."""
+    import socket
+    import threading
+    import time
+    host, port = upstream.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sockets: list[socket.socket] = [listener]
+
+    def pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            first = True
+            while chunk := src.recv(1 << 16):
+                if first:
+                    time.sleep(delay)
+                    first = False
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                server = socket.create_connection((host, int(port)))
+            except OSError:
+                return
+            sockets.extend((client, server))
+            threading.Thread(target=pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=pump, args=(server, client, first_answer_s), daemon=True).start()
+
+    threading.Thread(target=accept, name="dpex-test-slow-link", daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.close()

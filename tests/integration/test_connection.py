@@ -91,3 +91,24 @@ def test_workers_find_a_dispatcher_that_comes_back_within_seconds():
         assert time.monotonic() - back <= 5.0
         with dpex.RemoteDataLoader(c.address, SQUARES, batch_size=4, timeout=30) as loader:
             assert sorted(y for b in loader for y in b["y"].tolist()) == list(range(40))
+
+
+def test_a_dispatcher_whose_handshake_takes_seconds_is_reached_at_the_first_attempt(caplog):
+    # A loaded host or a slow link: its HTTP/2 handshake takes 1.5 s. Each connection attempt was given
+    # 100 ms (gRPC's MIN_CONNECT_TIMEOUT was set with the backoff), and never more than the backoff's 1 s
+    # cap: such a dispatcher was never reached, and one at 300 ms only after warnings of an outage.
+    import subprocess
+    import sys
+    from torch.utils.data import DataLoader
+    from dpex.testing.datasets import Squares
+    from dpex.testing.servers import slow_link
+    caplog.set_level(logging.WARNING, logger="dpex")
+    with test_cluster(num_workers=1) as c, slow_link(c.address, 1.5) as far:
+        done = subprocess.run([sys.executable, "-m", "dpex.cmd.status", "status", "--dispatcher", far],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "JOBS" in done.stdout, done.stderr
+        assert "timed out" not in done.stderr and "outage" not in done.stderr, done.stderr
+        with dpex.RemoteDataLoader(far, SQUARES, batch_size=4, connect_timeout=10, timeout=30) as loader:
+            got = [b["y"].tolist() for b in loader]
+        assert got == [b["y"].tolist() for b in DataLoader(Squares(40), batch_size=4)]
+    assert not [r.getMessage() for r in caplog.records if "reach" in r.getMessage()]
