@@ -51,11 +51,12 @@ docs: $(VENV)/.docs proto
 docs-serve: $(VENV)/.docs proto
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
-# Three test files at a time (pytest-xdist), each on one process, so that a
+# Four test files at a time (pytest-xdist), each on one process, so that a
 # module's shared cluster is started once: the suite waits on daemons and
-# sockets a third of its time, so three keep both cores of a 2-core machine
-# busy where two left them 40 % idle (measured: 1.17 cores busy with -n 2).
-PARALLEL := -n 3 --dist loadfile
+# sockets much of its time (measured: 1.17 cores busy with -n 2). With the
+# daemons warm-started four beat three (12 min 57 s against 13 min 29 s);
+# six cost more CPU than they fill (14 min 19 s). benchmarks/RESULTS.md §35.
+PARALLEL := -n 4 --dist loadfile
 
 test: setup
 	$(PY) -m pytest $(PARALLEL) tests
@@ -81,6 +82,7 @@ bench: setup
 	$(PY) benchmarks/first_batch.py
 	$(PY) benchmarks/compression.py
 	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/cluster_start.py
 	$(PY) benchmarks/embedded.py
 	$(PY) benchmarks/worker_kill.py
 	$(PY) benchmarks/dataport_flood.py
