@@ -159,7 +159,10 @@ class ChildProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended (and was reaped elsewhere) before its end was learnt, as Popen
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -96,6 +96,23 @@ def test_a_warm_started_process_is_waited_for_and_signalled_as_a_popen(probe, tm
     assert process.poll() == -signal.SIGKILL
 
 
+def test_a_warm_process_that_ended_unseen_is_signalled_as_popen_does(probe, tmp_path):
+    # The starter reaps a child at once; its report may come after a close() signals it (found by a suite run:
+    # ProcessLookupError from a cluster's close). Popen ignores a process gone before it learnt so; so does this.
+    (tmp_path / "mods" / "dpexquick.py").write_text("import sys\nsys.exit(5)\n")
+    starter = warmstart.starter()
+    starter.pump = lambda timeout: None  # its report stays unread
+    try:
+        process = starter.start("dpexquick", [], probe, str(tmp_path / "q.log"))
+        wait_until(lambda: not os.path.exists(f"/proc/{process.pid}"), 30, "the child to be reaped")
+        assert process.poll() is None
+        process.terminate()
+        process.kill()
+    finally:
+        del starter.pump
+    assert process.wait(30) == 5
+
+
 def test_a_module_that_does_not_exist_exits_with_an_error_in_its_log(probe, tmp_path):
     process = warmstart.starter().start("dpex_no_such_module", [], probe, str(tmp_path / "x.log"))
     assert process.wait(30) == 1
