@@ -69,6 +69,18 @@ def flush_stdio() -> None:
             pass
 
 
+def output_to(log_path: str) -> None:
+    """In a forked daemon: stdin from /dev/null, stdout and stderr appended to ``log_path``, as
+    ``dpex.daemon.spawn`` gives a daemon it starts."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(devnull)
+    os.close(log)
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Linux: get SIGTERM when the parent process dies (PR_SET_PDEATHSIG).
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 from dpex import stdlib
-from dpex.procutil import ChildProcess
+from dpex.procutil import ChildProcess, output_to
 
 class ForkedProcess(ChildProcess):
     """A child forked here, as a ``subprocess.Popen``."""
@@ -75,13 +75,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
         if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
             signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(devnull)
-    os.close(log)
+    output_to(log_path)
     # The trainer's may be anything (a test's capture, a progress bar's wrapper): ours are the log.
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)

@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Any
 
-from dpex.procutil import PARENT_ENV, ChildProcess, alive
+from dpex.procutil import PARENT_ENV, ChildProcess, alive, die_with_parent_from_env, flush_stdio, output_to
 
 PRELOAD = ("torch", "numpy", "grpc", "cloudpickle", "dpex.cmd.worker", "dpex.cmd.dispatcher",
            "dpex.worker.server", "dpex.worker.daemon", "dpex.dispatcher.server")
@@ -194,7 +194,6 @@ def _receive(sock: socket.socket, buf: bytes, timeout: float | None) -> tuple[di
 
 # ---- the warm starter process --------------------------------------------------------------
 def _serve(fd: int) -> None:
-    from dpex.procutil import die_with_parent_from_env
     die_with_parent_from_env()  # its starter died: so does it, and its children after it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for its children, who are in its group
     sock = socket.socket(fileno=fd)
@@ -213,21 +212,21 @@ def _serve(fd: int) -> None:
     sock.sendall(b'{"ready": true}\n')
     buf = b""
     while True:
-        ready, _, _ = select.select([wake_r] if b"\n" in buf else [sock, wake_r], [], [], 0 if b"\n" in buf else None)
-        if wake_r in ready:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:  # a child ended: reaped below
             os.read(wake_r, 512)
-            _reap(sock)
-        if sock in ready or b"\n" in buf:
-            message, buf, gone = _receive(sock, buf, 0)
-            if gone:
+        if sock in ready:
+            chunk = sock.recv(1 << 16)
+            if not chunk:  # its starter ended
                 return
-            if message is not None:
+            buf += chunk
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
                 try:
-                    pid = _fork(message["start"], (fd, wake_r, wake_w))
+                    reply = {"pid": _fork(json.loads(line)["start"], (fd, wake_r, wake_w))}
                 except OSError as e:
-                    sock.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
-                else:
-                    sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                    reply = {"error": str(e)}
+                sock.sendall(json.dumps(reply).encode() + b"\n")
         _reap(sock)
 
 
@@ -243,7 +242,6 @@ def _reap(sock: socket.socket) -> None:
 
 
 def _fork(request: dict[str, Any], fds: tuple[int, ...]) -> int:
-    from dpex.procutil import flush_stdio
     flush_stdio()
     pid = os.fork()
     if pid:
@@ -274,13 +272,7 @@ def _run(request: dict[str, Any], fds: tuple[int, ...]) -> int:
     _signals_as_started(request["ignored"])
     if request["session"]:
         os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(devnull)
-    os.close(log)
+    output_to(request["log"])
     os.chdir(request["cwd"])
     env = dict(request["env"])
     if PARENT_ENV in env:  # its parent is the starter, which ends with theirs

@@ -3,6 +3,9 @@ port, as the daemons serve them (dpex.aio): for tests of one service."""
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -37,9 +40,6 @@ def serving(*handlers: grpc.GenericRpcHandler) -> Iterator[str]:
 def slow_link(upstream: str, first_answer_s: float) -> Iterator[str]:
     """A TCP proxy to ``upstream`` whose answers on each connection start ``first_answer_s`` late, as a
     peer's over a slow link or on a loaded host: its HTTP/2 handshake takes that long. Yields its address."""
-    import socket
-    import threading
-    import time
     host, port = upstream.rsplit(":", 1)
     listener = socket.create_server(("127.0.0.1", 0))
     sockets: list[socket.socket] = [listener]
