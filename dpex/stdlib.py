@@ -42,3 +42,12 @@ def forget_forkserver() -> None:
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
     server._inherited_fds = None
     server._lock = threading.Lock()
+
+
+def finish_interpreter() -> None:
+    """What Python does at exit before it tears its modules down, for a forked child that ends with
+    ``os._exit``: waits for the threads that are not daemons (``threading._shutdown``), then runs the
+    exit handlers (``atexit._run_exitfuncs``: logging's, multiprocessing's...)."""
+    import atexit
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()

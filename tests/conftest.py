@@ -2,7 +2,10 @@
 
 The check runs in the process that runs the session: pytest itself, or
 pytest-xdist's controller once every worker process is done (a worker
-process would see the other's live directories)."""
+process would see the other's live directories).
+
+Each process that runs tests starts its warm starter first (dpex.launch.warmstart):
+its test clusters and its tests' embedded clusters fork their daemons from it."""
 import gc
 import os
 import sys
@@ -12,6 +15,7 @@ import time
 import pytest
 
 from dpex import procutil, shm
+from dpex.launch import warmstart
 from dpex.testing import wait_until
 
 _BEFORE = pytest.StashKey[set]()
@@ -77,6 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not _is_xdist_worker(session.config):
         session.config.stash[_BEFORE] = leftovers()
+    runs_tests = _is_xdist_worker(session.config) or not getattr(session.config.option, "numprocesses", None)
+    if runs_tests and warmstart.available():
+        warmstart.starter()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ import threading
 from dpex import finalizers
 from dpex.daemon import can_fork, exit_reason, stop_process
 from dpex.errors import DpexConfigError, DpexError, DpexWorkerError
+from dpex.launch import warmstart
 from dpex.launch.forked import ForkedProcess, fork_worker
 from dpex.launch.local import LocalCluster
 from dpex.procutil import temp_dir
@@ -57,7 +58,9 @@ class _Cluster:
     children (PR_SET_PDEATHSIG fires when the thread that started a process
     ends), so it lives until the cluster is stopped. With ``fork``, its
     worker is forked from this process at once, in the caller's thread (see
-    dpex.launch.forked); the dispatcher is always spawned."""
+    dpex.launch.forked). The dispatcher (and a worker not forked here) is a new
+    interpreter, or a fork of this process's warm starter if it has one already
+    (a ``LocalCluster(warm_start=True)`` started it): it then serves at once."""
 
     def __init__(self, key: tuple[int, str | None, bool], fork: bool) -> None:
         self.key = key
@@ -92,7 +95,8 @@ class _Cluster:
                 # In a session of their own: the trainer decides what a Ctrl-C does (they stop with it).
                 self._cluster = LocalCluster(num_workers=0 if self._forked else 1, processes=processes,
                                              auth_token=token, drain_timeout_s=0, log_dir=self._log_dir,
-                                             own_session=True, worker_flags=("--in-turn",))
+                                             own_session=True, worker_flags=("--in-turn",),
+                                             warm_start=warmstart.running())
                 if self._forked:
                     os.write(self._address_pipe, f"{self._cluster.address}\n".encode())
             finally:

@@ -139,7 +139,7 @@ class LocalCluster:
             process = None
             if starter is not None:
                 try:
-                    process = starter.start(args[0], [*args[1:], "--ready-file", ready], env, log_path,
+                    process = starter.start(["-m", *args, "--ready-file", ready], env, log_path,
                                             session=self._own_session)
                 except OSError as e:  # it died: a new interpreter does the same
                     _log.warning("starting the %s as a new interpreter: %s", name, e)

@@ -2,19 +2,24 @@
 gRPC and Dpex's daemons once, and forks each daemon a ``LocalCluster(warm_start=True)``
 starts, as multiprocessing's forkserver forks its children. A worker then serves
 in a fraction of a second, not after a cold interpreter's imports (torch's alone
-take a second of CPU).
+take a second of CPU). A starter with other modules preloaded (Lightning) starts
+the suite's programs the same way (``dpex.testing.programs``).
 
-The child runs ``python -m MODULE ARGS`` as a new interpreter would: the
-environment, working directory, arguments and log it is given, its own session
-if asked, signals at their defaults, the random generators reseeded. What
-modules read from the environment when imported (torch, gRPC) is the starter's.
+The child runs ``python ARGV`` (``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT
+ARGS``) as a new interpreter would: the environment, working directory,
+arguments and output it is given, its own session if asked, the signals a new
+interpreter would have, the random generators reseeded, ``sys.argv``,
+``sys.path`` and ``__main__`` as Python sets them, its threads waited for and
+its exit handlers run at its end. What modules read from the environment when
+imported (torch, gRPC), and Python's own start-up flags, are the starter's.
 
-The protocol, JSON lines on a socket pair: ``{"start": {module, args, env, cwd,
-log, session}}`` is answered ``{"pid": N}`` or ``{"error": why}``; ``{"exited": N,
-"code": C}`` follows when the child ends (C as ``Popen.returncode``). The starter
-exits when its socket closes (its starter ended) or its parent dies, and its
-children then get SIGTERM (their parent-death signal, as a LocalCluster's
-daemons have).
+The protocol, JSON lines on a socket pair: ``{"start": {argv, env, cwd, log,
+session, ignored}}`` is answered ``{"pid": N}`` or ``{"error": why}``; a request
+whose ``log`` is null carries the child's stdin, stdout and stderr as file
+descriptors (SCM_RIGHTS). ``{"exited": N, "code": C}`` follows when the child
+ends (C as ``Popen.returncode``). The starter exits when its socket closes (its
+starter ended) or its parent dies, and its children then get SIGTERM (their
+parent-death signal, as a LocalCluster's daemons have).
 """
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ import sys
 import threading
 from typing import Any
 
+from dpex import finalizers
 from dpex.procutil import PARENT_ENV, ChildProcess, alive, die_with_parent_from_env, flush_stdio, output_to
+from dpex.stdlib import finish_interpreter
 
 PRELOAD = ("torch", "numpy", "grpc", "cloudpickle", "dpex.cmd.worker", "dpex.cmd.dispatcher",
            "dpex.worker.server", "dpex.worker.daemon", "dpex.dispatcher.server")
@@ -36,11 +43,16 @@ PRELOAD = ("torch", "numpy", "grpc", "cloudpickle", "dpex.cmd.worker", "dpex.cmd
 
 # ---- the starter's side --------------------------------------------------------------------
 class WarmProcess(ChildProcess):
-    """A child of the warm starter, as a ``subprocess.Popen``: its end comes from the starter."""
+    """A child of the warm starter, as a ``subprocess.Popen``: its end comes from the starter. Its
+    ``stdin``, ``stdout`` and ``stderr`` are None, or file objects its starter gave it
+    (``dpex.testing.programs``)."""
 
     def __init__(self, pid: int, starter: "WarmStarter") -> None:
         super().__init__(pid)
         self._starter = starter
+        self.stdin: Any = None
+        self.stdout: Any = None
+        self.stderr: Any = None
 
     def _collect(self, timeout: float) -> None:
         self._starter.pump(timeout)
@@ -49,11 +61,12 @@ class WarmProcess(ChildProcess):
 class WarmStarter:
     """The client of one warm starter process (see the module's note)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
         ours, theirs = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "dpex.launch.warmstart", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, "-m", "dpex.launch.warmstart", str(theirs.fileno()), *preload],
+                pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env={**os.environ, PARENT_ENV: str(os.getpid())})
         except BaseException:
@@ -72,21 +85,35 @@ class WarmStarter:
             self.close()
             raise OSError(f"the warm starter did not start: {hello}")
 
-    def start(self, module: str, args: list[str], env: dict[str, str], log_path: str,
-              session: bool = False) -> WarmProcess:
-        """Forks ``python -m MODULE ARGS`` (output appended to ``log_path``)."""
-        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "log": log_path, "session": session,
-                   "ignored": _ignored_signals()}
+    def start(self, argv: list[str], env: dict[str, str], output: str | tuple[int, int, int],
+              session: bool = False, cwd: str | None = None) -> WarmProcess:
+        """Forks ``python ARGV``: ``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT ARGS``.
+
+        Args:
+            argv: what follows ``python`` on its command line.
+            env: its whole environment.
+            output: a log file its stdout and stderr are appended to (stdin: /dev/null), or its
+                stdin, stdout and stderr as file descriptors (the caller closes its own).
+            session: in a session of its own.
+            cwd: its working directory; None: this process's."""
+        logged = isinstance(output, str)
+        request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "log": output if logged else None,
+                   "session": session, "ignored": _ignored_signals()}
+        line = json.dumps({"start": request}).encode() + b"\n"
         with self._lock:
             if self.lost:
                 raise OSError("the warm starter is gone")
-            self._sock.sendall(json.dumps({"start": request}).encode() + b"\n")
+            if logged:
+                self._sock.sendall(line)
+            else:  # the descriptors go with the message's first bytes
+                sent = socket.send_fds(self._sock, [line], list(output))  # type: ignore[arg-type]
+                self._sock.sendall(line[sent:])
             while not self._replies:
                 if not self._read(None):
                     raise OSError("the warm starter is gone")
             reply = self._replies.pop(0)
             if "error" in reply:
-                raise OSError(f"the warm starter could not start {module}: {reply['error']}")
+                raise OSError(f"the warm starter could not start python {' '.join(argv)[:80]}: {reply['error']}")
             process = self._children[reply["pid"]] = WarmProcess(reply["pid"], self)
             return process
 
@@ -161,17 +188,39 @@ def _signals_as_started(ignored: list[int]) -> None:
             pass
 
 
-_starter: WarmStarter | None = None
+_starters: dict[tuple[str, ...], WarmStarter] = {}
 _starter_lock = threading.Lock()
 
 
-def starter() -> WarmStarter:
-    """This process's warm starter, started at the first call (again if it died)."""
-    global _starter
+def _lives(starter: WarmStarter | None) -> bool:
+    return starter is not None and not starter.lost and starter.process.poll() is None
+
+
+def starter(preload: tuple[str, ...] = PRELOAD) -> WarmStarter:
+    """This process's warm starter of the modules ``preload``, started at the first call (again if it died)."""
     with _starter_lock:
-        if _starter is None or _starter.lost or _starter.process.poll() is not None:
-            _starter = WarmStarter()
-        return _starter
+        if not _lives(_starters.get(preload)):
+            _starters[preload] = WarmStarter(preload)
+        return _starters[preload]
+
+
+def _close_all() -> None:
+    """At exit: this process's starters end (as they would when it ends), and are waited for."""
+    with _starter_lock:
+        starters = list(_starters.values())
+        _starters.clear()
+    for each in starters:
+        each.close()
+
+
+finalizers.register_at_exit(_close_all)
+
+
+def running() -> bool:
+    """Whether this process has a warm starter of the daemons that lives (a ``LocalCluster(warm_start=True)``
+    started it)."""
+    with _starter_lock:
+        return _lives(_starters.get(PRELOAD))
 
 
 def available() -> bool:
@@ -193,11 +242,11 @@ def _receive(sock: socket.socket, buf: bytes, timeout: float | None) -> tuple[di
 
 
 # ---- the warm starter process --------------------------------------------------------------
-def _serve(fd: int) -> None:
+def _serve(fd: int, preload: list[str]) -> None:
     die_with_parent_from_env()  # its starter died: so does it, and its children after it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for its children, who are in its group
     sock = socket.socket(fileno=fd)
-    for name in PRELOAD:
+    for name in preload:
         __import__(name)
     import gc
     gc.freeze()  # what the imports made stays shared with every child
@@ -210,22 +259,27 @@ def _serve(fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     sock.sendall(b'{"ready": true}\n')
-    buf = b""
+    buf, passed = b"", []  # one start is in flight at a time: the descriptors received are its own
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:  # a child ended: reaped below
             os.read(wake_r, 512)
         if sock in ready:
-            chunk = sock.recv(1 << 16)
+            chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
             if not chunk:  # its starter ended
                 return
-            buf += chunk
+            buf, passed = buf + chunk, passed + fds
             while b"\n" in buf:
                 line, _, buf = buf.partition(b"\n")
+                request = json.loads(line)["start"]
+                stdio, passed = (passed, []) if request["log"] is None else ([], passed)
                 try:
-                    reply = {"pid": _fork(json.loads(line)["start"], (fd, wake_r, wake_w))}
+                    reply = {"pid": _fork(request, stdio, (fd, wake_r, wake_w))}
                 except OSError as e:
                     reply = {"error": str(e)}
+                finally:
+                    for passed_fd in stdio:
+                        os.close(passed_fd)
                 sock.sendall(json.dumps(reply).encode() + b"\n")
         _reap(sock)
 
@@ -241,14 +295,16 @@ def _reap(sock: socket.socket) -> None:
         sock.sendall(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
-def _fork(request: dict[str, Any], fds: tuple[int, ...]) -> int:
+def _fork(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int:
+    if request["log"] is None and len(stdio) != 3:
+        raise OSError(f"{len(stdio)} file descriptors came with the request, not 3 (stdin, stdout, stderr)")
     flush_stdio()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        code = _run(request, fds)
+        code = _run(request, stdio, fds)
     except BaseException:  # noqa: BLE001 - reported in its log
         import traceback
         traceback.print_exc()
@@ -257,13 +313,11 @@ def _fork(request: dict[str, Any], fds: tuple[int, ...]) -> int:
     return 0  # not reached
 
 
-def _run(request: dict[str, Any], fds: tuple[int, ...]) -> int:
-    """In the child: becomes ``python -m MODULE ARGS`` and runs it; returns its exit code."""
-    import atexit
+def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int:
+    """In the child: becomes ``python ARGV`` and runs it; returns its exit code."""
     import importlib
-    import logging
     import multiprocessing
-    import runpy
+    import multiprocessing.process
     import tempfile
 
     signal.set_wakeup_fd(-1)
@@ -272,37 +326,92 @@ def _run(request: dict[str, Any], fds: tuple[int, ...]) -> int:
     _signals_as_started(request["ignored"])
     if request["session"]:
         os.setsid()
-    output_to(request["log"])
-    os.chdir(request["cwd"])
+    if request["log"] is not None:
+        output_to(request["log"])
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    cwd = request["cwd"]
+    os.chdir(cwd)
+    multiprocessing.process.ORIGINAL_DIR = cwd  # where a spawned child finds a relative __main__
     env = dict(request["env"])
     if PARENT_ENV in env:  # its parent is the starter, which ends with theirs
         env[PARENT_ENV] = str(os.getppid())
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # as TMPDIR says now
-    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.path[0:1] = [request["cwd"], *added]  # as `python -m` puts them
     importlib.invalidate_caches()  # files written since the starter looked
     multiprocessing.current_process().authkey = os.urandom(32)  # its own, as a new interpreter's
-    import numpy
-    import torch
-    numpy.random.seed()  # each its own seed, as a new interpreter's (random's is reseeded at every fork)
-    torch.seed()
-    sys.argv = [request["module"], *request["args"]]
+    if "numpy" in sys.modules:  # each its own seed, as a new interpreter's (random's is reseeded at every fork)
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     code: Any = 0
+    interrupted = False
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        _run_main(request["argv"], [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     except SystemExit as e:
         code = e.code
+    except BaseException as e:  # noqa: BLE001 - uncaught: printed as Python prints it, from the program's frames
+        e.__traceback__ = _programs_frames(e.__traceback__)  # the one Python prints
+        sys.excepthook(type(e), e, e.__traceback__)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
     if code is None:
         code = 0
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    atexit._run_exitfuncs()
-    logging.shutdown()
+    finish_interpreter()
+    if interrupted:  # Python then ends by the signal, as a shell expects of an interrupted program
+        flush_stdio()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return code
 
 
+def _run_main(argv: list[str], pythonpath: list[str]) -> None:
+    """Runs ``python ARGV`` here, with ``sys.argv``, ``sys.path[0]`` and ``__main__`` as Python sets them."""
+    import runpy
+    added = [p for p in pythonpath if p not in sys.path]
+    if argv[0] == "-m":
+        sys.path[0:1] = [os.getcwd(), *added]
+        sys.argv = argv[1:]  # runpy puts the module's file first
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.path[0:1] = ["", *added]
+        sys.argv = ["-c", *argv[2:]]
+        _exec_as_main(compile(argv[1], "<string>", "exec"))
+    else:
+        import importlib.machinery
+        script = os.path.abspath(argv[0])
+        sys.path[0:1] = [os.path.dirname(os.path.realpath(script)), *added]
+        sys.argv = list(argv)
+        with open(script, "rb") as f:
+            code = compile(f.read(), script, "exec")
+        _exec_as_main(code, __file__=script, __cached__=None,
+                      __loader__=importlib.machinery.SourceFileLoader("__main__", script))
+
+
+def _exec_as_main(code: Any, **attributes: Any) -> None:
+    """Runs ``code`` as the module ``__main__``, a new one, as Python runs a script or ``-c``."""
+    import builtins
+    import types
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    for name, value in attributes.items():
+        setattr(main, name, value)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _programs_frames(tb: Any) -> Any:
+    """A traceback without its first frames here and in runpy (a new interpreter has none)."""
+    import runpy
+    ours = (_programs_frames.__code__.co_filename, runpy.run_module.__code__.co_filename)
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), sys.argv[2:])

@@ -42,11 +42,12 @@ test_cluster.__test__ = False  # not a pytest test, despite the name
 
 
 def kill_at(code: str, *args: str, line: str = "mid-epoch") -> None:
-    """Runs ``python -c CODE ARGS`` until it prints ``line``, then kills it
-    (SIGKILL): a trainer dying at a point of its own choosing."""
+    """Runs ``python -c CODE ARGS`` (forked warm: dpex.testing.programs) until it prints ``line``, then
+    kills it (SIGKILL): a trainer dying at a point of its own choosing."""
     import subprocess
-    import sys
-    process = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+
+    from dpex.testing import programs
+    process = programs.popen(["-c", code, *args], stdout=subprocess.PIPE, text=True)
     try:
         got = process.stdout.readline()
         assert got == line + "\n", f"expected {line!r}, got {got!r}"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dpex.testing import programs
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FIRST_SCREEN = 24  # lines
@@ -118,7 +120,7 @@ def docs_cluster(tmp_path_factory):
     (where / "mypkg").mkdir()
     (where / "mypkg" / "__init__.py").write_text("")
     (where / "mypkg" / "data.py").write_text(MYPKG)
-    with LocalCluster(num_workers=1, processes=2, env={"PYTHONPATH": str(where)}) as cluster:
+    with LocalCluster(num_workers=1, processes=2, env={"PYTHONPATH": str(where)}, warm_start=True) as cluster:
         yield cluster
 
 
@@ -143,8 +145,9 @@ def test_every_python_example_in_readme_and_the_docs_runs(request, tmp_path, pag
     (tmp_path / "example.py").write_text(code)  # a file, as a reader runs it (a spawned child imports it again)
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={rule['torchrun']}",
                 "--log-dir", str(tmp_path / "logs")] if "torchrun" in rule else []
-    done = subprocess.run([sys.executable, *launcher, "example.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=180)
+    # Forked warm (dpex.testing.programs), as a new interpreter runs it; torchrun's ranks are new interpreters.
+    done = programs.run([*launcher, "example.py"], cwd=str(tmp_path), timeout=180,
+                        preload=programs.LIGHTNING if "lightning" in code else programs.TRAINER)
     assert done.returncode == 0, f"{page} block {index}:\n{code}\n{done.stderr[-4000:]}"
 
 
@@ -227,7 +230,7 @@ def test_the_metrics_page_lists_every_series_each_daemon_serves(tmp_path):
     import dpex
     from dpex import LocalCluster
     dataset = dpex.DatasetSpec("dpex.testing.datasets:Slow", n=32, delay_s=0.0)
-    with LocalCluster(num_workers=1, metrics=True, work_dir=str(tmp_path / "journal")) as cluster:
+    with LocalCluster(num_workers=1, metrics=True, work_dir=str(tmp_path / "journal"), warm_start=True) as cluster:
         with dpex.RemoteDataLoader(cluster.address, dataset, batch_size=4, job_name="seen") as loader:
             assert sum(1 for _ in loader) == 8
             served = {"The dispatcher's series": metric_rows(cluster.dispatcher.metrics_url),

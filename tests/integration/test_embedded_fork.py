@@ -1,14 +1,16 @@
 """The embedded cluster's worker is forked from the trainer, as torch's
 DataLoader forks its workers (its batch processes then need no cold import
 of torch), unless gRPC already runs threads in the trainer or the loader asks
-for "spawn". Each scenario is a fresh interpreter, as a user's script is;
-torch's DataLoader in the same script is the oracle for the batches."""
+for "spawn". Each scenario is a new process that has run nothing yet, as a
+user's script is (forked warm: dpex.testing.programs; the one of a script that
+spawn imports again is a new interpreter); torch's DataLoader in the same
+script is the oracle for the batches."""
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from dpex.testing import programs
 
 PRELUDE = textwrap.dedent("""
     import json, os, sys, threading
@@ -60,8 +62,7 @@ PRELUDE = textwrap.dedent("""
 
 
 def run(body: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body), *args], capture_output=True,
-                         text=True, timeout=240)
+    out = programs.run(["-c", PRELUDE + textwrap.dedent(body), *args], timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -209,7 +210,7 @@ def test_a_forked_child_of_a_process_that_used_dpex_fails_at_once_and_a_spawned_
                 got[method + "_s"] = time.monotonic() - start
             print(json.dumps(got))
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    done = programs.run([str(script)], timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "forked from one where Dpex had run" in out["fork"] and "'spawn'" in out["fork"]

@@ -3,14 +3,18 @@
 the hook), on 1 device and under ``ddp`` and ``ddp_spawn`` with 2 CPU
 processes. Lightning rebuilds the loader with a DistributedSampler; every
 batch must still come from Dpex's batch processes, each sample once per epoch
-across ranks, and the loss must fall."""
+across ranks, and the loss must fall.
+
+Each script is forked from a warm starter that imported Lightning once
+(dpex.testing.programs: its imports take 4 s of CPU); the processes Lightning
+starts for its other ranks are new interpreters."""
 import json
-import subprocess
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from dpex.testing import programs
 
 pytest.importorskip("pytorch_lightning")
 
@@ -63,8 +67,8 @@ SCRIPT = textwrap.dedent("""
                                                      ("auto", 1, "hook"), ("ddp", 2, "hook"), ("ddp_spawn", 2, "hook")])
 def test_lightning_keeps_dpex_making_the_batches(tmp_path, strategy, devices, where):
     (tmp_path / "train.py").write_text(SCRIPT)
-    done = subprocess.run([sys.executable, "train.py", strategy, str(devices), where], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    done = programs.run(["train.py", strategy, str(devices), where], cwd=str(tmp_path), timeout=280,
+                        preload=programs.LIGHTNING)
     assert done.returncode == 0, done.stderr[-4000:]
     def read(kind):
         return [json.loads(line) for path in sorted(tmp_path.glob(f"{kind}-*.jsonl"))
@@ -126,8 +130,8 @@ def _lightning_runs(folder, which, *phases):
     (folder / "resume.py").write_text(RESUME)
     out = []
     for phase, step in phases:
-        done = subprocess.run([sys.executable, "resume.py", which, phase, str(step)], cwd=folder, capture_output=True,
-                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        done = programs.run(["resume.py", which, phase, str(step)], cwd=str(folder), timeout=120,
+                            preload=programs.LIGHTNING)
         assert done.returncode == 0, done.stderr[-4000:]
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return out

@@ -7,8 +7,6 @@ import gc
 import io
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -21,7 +19,7 @@ import dpex
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import channel
-from dpex.testing import datasets, test_cluster, wait_until
+from dpex.testing import datasets, programs, test_cluster, wait_until
 from dpex.testing.compare import read_epochs
 
 N, B, EPOCHS = 103, 4, 3
@@ -377,15 +375,13 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_exactly_once(request, tmp_
     own = meanwhile != "nothing"
     with (test_cluster(num_workers=2, work_dir=str(tmp_path / "work")) if own
           else contextlib.nullcontext(request.getfixturevalue("c"))) as c:
-        first = subprocess.run([sys.executable, "-c", TRAINER, c.address, path, out, str(stop_at)],
-                               capture_output=True, text=True, timeout=120)
+        first = programs.run(["-c", TRAINER, c.address, path, out, str(stop_at)], timeout=120)
         assert first.returncode == -signal.SIGKILL and "kill me" in first.stdout, first.stderr
         if meanwhile == "a worker is killed":
             c.kill_worker(0)
         elif meanwhile == "the dispatcher restarts":
             c.restart_dispatcher()
-        second = subprocess.run([sys.executable, "-c", TRAINER, c.address, path, out, str(stop_at)],
-                                capture_output=True, text=True, timeout=120)
+        second = programs.run(["-c", TRAINER, c.address, path, out, str(stop_at)], timeout=120)
         assert second.returncode == 0 and "done" in second.stdout, second.stderr
     lines = open(out).read().splitlines()
     cut = lines.index("checkpoint")

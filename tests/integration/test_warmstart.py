@@ -9,11 +9,15 @@ import sys
 import textwrap
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
+from dpex import DpexDataLoader
 from dpex.daemon import spawn
 from dpex.launch import warmstart
+from dpex.launch.embedded import stop_embedded
 from dpex.procutil import PARENT_ENV
-from dpex.testing import descendants, pids_alive, test_cluster, wait_until
+from dpex.testing import descendants, pids_alive, programs, test_cluster, wait_until
 
 PROBE = textwrap.dedent("""
     import json, multiprocessing, os, signal, sys, tempfile
@@ -50,7 +54,7 @@ def probe(tmp_path):
 def run(how, env, tmp_path, name, code=0, session=False):
     out, log = tmp_path / f"{name}.json", str(tmp_path / f"{name}.log")
     if how == "warm":
-        process = warmstart.starter().start("dpexprobe", [str(out), str(code)], env, log, session=session)
+        process = warmstart.starter().start(["-m", "dpexprobe", str(out), str(code)], env, log, session=session)
     else:  # as LocalCluster spawns: python -m MODULE ARGS --ready-file F
         process = spawn(["dpexprobe", str(out), str(code)], str(tmp_path / "ready"), log, env,
                         start_new_session=session)
@@ -86,7 +90,7 @@ def test_a_warm_started_module_sees_what_a_new_interpreter_sees(probe, tmp_path,
 
 def test_a_warm_started_process_is_waited_for_and_signalled_as_a_popen(probe, tmp_path):
     (tmp_path / "mods" / "dpexsleeper.py").write_text("import time\nwhile True: time.sleep(1)\n")
-    process = warmstart.starter().start("dpexsleeper", [], probe, str(tmp_path / "s.log"))
+    process = warmstart.starter().start(["-m", "dpexsleeper"], probe, str(tmp_path / "s.log"))
     assert process.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(0.2)
@@ -103,7 +107,7 @@ def test_a_warm_process_that_ended_unseen_is_signalled_as_popen_does(probe, tmp_
     starter = warmstart.starter()
     starter.pump = lambda timeout: None  # its report stays unread
     try:
-        process = starter.start("dpexquick", [], probe, str(tmp_path / "q.log"))
+        process = starter.start(["-m", "dpexquick"], probe, str(tmp_path / "q.log"))
         wait_until(lambda: not os.path.exists(f"/proc/{process.pid}"), 30, "the child to be reaped")
         assert process.poll() is None
         process.terminate()
@@ -114,7 +118,7 @@ def test_a_warm_process_that_ended_unseen_is_signalled_as_popen_does(probe, tmp_
 
 
 def test_a_module_that_does_not_exist_exits_with_an_error_in_its_log(probe, tmp_path):
-    process = warmstart.starter().start("dpex_no_such_module", [], probe, str(tmp_path / "x.log"))
+    process = warmstart.starter().start(["-m", "dpex_no_such_module"], probe, str(tmp_path / "x.log"))
     assert process.wait(30) == 1
     assert "No module named dpex_no_such_module" in (tmp_path / "x.log").read_text()
 
@@ -147,3 +151,77 @@ def test_a_warm_cluster_stops_every_daemon_and_leaves_the_starter_for_the_next()
     assert pids_alive(started) == []
     assert [w.process.returncode for w in cluster.workers] == [0, 0]  # SIGTERM: drained, exit 0
     assert warmstart.starter() is starter and starter.process.poll() is None
+
+
+def test_an_embedded_cluster_forks_its_daemons_from_the_warm_starter_its_process_has():
+    """A process that has a warm starter (a LocalCluster(warm_start=True) started it) forks an embedded
+    cluster's dispatcher and spawned worker from it too; the batches are torch's."""
+    stop_embedded()  # one a test before left lingering would be reused
+    starter = warmstart.starter()
+    before = set(descendants(starter.process.pid))
+    data = [torch.tensor([float(i)]) for i in range(20)]
+    loader = DpexDataLoader(data, distribute_mode=True, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    batches = iter(loader)
+    got = [next(batches)]
+    forked = set(descendants(starter.process.pid)) - before
+    assert len(forked) >= 2  # the dispatcher, the worker (and its batch process)
+    got += list(batches)
+    assert [b.tolist() for b in got] == [b.tolist() for b in DataLoader(data, batch_size=4)]
+    stop_embedded()
+    assert pids_alive(sorted(forked)) == []
+
+
+PROGRAM = textwrap.dedent("""
+    import atexit, json, multiprocessing, multiprocessing.process, os, sys, threading, time
+    def square(x):
+        return x * x
+    if __name__ == "__main__":
+        report = {"argv": sys.argv, "path0": sys.path[0], "file": globals().get("__file__"), "cwd": os.getcwd(),
+                  "spec": getattr(__spec__, "name", None), "original_dir": multiprocessing.process.ORIGINAL_DIR,
+                  "probe": os.environ.get("PROBE"), "pythonpath": os.environ["PYTHONPATH"] in sys.path,
+                  "stdin": sys.stdin.read()}
+        if "spawn" in sys.argv:  # spawn's child imports this program's __main__ again
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                report["spawned"] = pool.map(square, [3])
+        print(json.dumps(report), flush=True)
+        threading.Thread(target=lambda: (time.sleep(0.2), print("a thread's last words", flush=True))).start()
+        atexit.register(print, "at exit")
+        if "raise" in sys.argv:
+            raise ValueError("from the program")
+        sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.mark.parametrize("form", ["-c", "script", "-m"])
+@pytest.mark.parametrize("how", ["exit 3", "raise", "spawn"])
+def test_a_warm_started_program_runs_as_a_new_interpreter_runs_it(probe, tmp_path, form, how):
+    """``python -c CODE``, ``python SCRIPT`` and ``python -m MODULE``, each run both ways (dpex.testing.programs,
+    and a new interpreter as the oracle): the same sys.argv, sys.path, __main__, output, exit code and traceback."""
+    if form == "-c" and how == "spawn":
+        pytest.skip("spawn cannot import a -c program's functions (in either)")
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    argv = {"-c": ["-c", PROGRAM], "script": ["prog.py"], "-m": ["-m", "prog"]}[form] + ["3", *how.split()[:1]]
+    new = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=probe, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)
+    warm = programs.run(argv, cwd=str(tmp_path), env=probe, timeout=120)
+    assert warm.returncode == new.returncode == (1 if how == "raise" else 3), (warm.stderr, new.stderr)
+    assert warm.stdout == new.stdout
+    assert new.stdout.endswith("a thread's last words\nat exit\n")
+    if how == "raise":  # the program's frames and the error; no frame of the starter
+        assert warm.stderr.splitlines()[-3:] == new.stderr.splitlines()[-3:]
+        assert warm.stderr.startswith("Traceback") and "warmstart" not in warm.stderr
+    else:
+        assert warm.stderr == new.stderr == ""
+
+
+def test_a_warm_started_programs_pipes_are_popens(probe, tmp_path):
+    program = programs.popen(["-c", "import sys\nfor line in sys.stdin: print(line.upper(), end='', flush=True)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=probe)
+    program.stdin.write("hello\n")
+    program.stdin.flush()  # buffered, as Popen's
+    assert program.stdout.readline() == "HELLO\n"
+    program.stdin.close()
+    assert program.wait(60) == 0 and program.stdout.read() == ""
+    program.stdout.close()
+    with pytest.raises(subprocess.TimeoutExpired):  # killed at its timeout, as subprocess.run's
+        programs.run(["-c", "import time\nwhile True: time.sleep(1)"], env=probe, timeout=0.5)

@@ -56,3 +56,24 @@ def test_a_forked_child_that_forgets_its_parents_forkserver_starts_its_own():
             sys.exit(os.waitstatus_to_exitcode(status))
     """)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_forked_child_finishes_as_the_interpreter_does():
+    # A child that ends with os._exit after finish_interpreter(): its threads are waited for, then its exit
+    # handlers run, as at a new interpreter's exit (without it, neither happens).
+    result = run("""
+        import atexit, os, threading, time
+        from dpex import stdlib
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            threading.Thread(target=lambda: (time.sleep(0.2), os.write(w, b"thread,"))).start()
+            atexit.register(lambda: os.write(w, b"atexit"))
+            stdlib.finish_interpreter()
+            os._exit(0)
+        os.close(w)
+        os.waitpid(child, 0)
+        print(os.read(r, 100).decode() + os.read(r, 100).decode())
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "thread,atexit"

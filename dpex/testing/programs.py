@@ -1,0 +1,94 @@
+"""The suite's Python programs (trainers killed on purpose, Lightning's scripts)
+forked from a warm starter that imported their heavy modules once
+(dpex.launch.warmstart), instead of each a new interpreter importing them:
+Lightning's imports take 4 s of CPU, torch's 1.4 s. ``run`` is
+``subprocess.run([sys.executable, *argv], capture_output=True, text=True)``,
+``popen`` is ``subprocess.Popen([sys.executable, *argv], ...)``.
+
+What a new interpreter's start itself does (a user's script as they run it, its
+imports in their order, environment variables read at import) is tested with
+new interpreters, not here."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import tempfile
+
+from dpex.launch import warmstart
+
+TRAINER = ("torch", "numpy", "grpc", "cloudpickle", "dpex")  # a trainer's imports
+LIGHTNING = (*TRAINER, "pytorch_lightning")
+
+
+def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = None, stderr: int | None = None,
+          text: bool = False, cwd: str | None = None, env: dict[str, str] | None = None,
+          preload: tuple[str, ...] = TRAINER, session: bool = False) -> warmstart.WarmProcess:
+    """``python ARGV`` (``-c CODE ARGS``, ``-m MODULE ARGS``, ``SCRIPT ARGS``) forked from the warm
+    starter of ``preload``, as ``subprocess.Popen``: each stream None (this process's), ``subprocess.PIPE``
+    or ``subprocess.DEVNULL``."""
+    theirs, ours = [], []
+    try:
+        for target, how in enumerate((stdin, stdout, stderr)):
+            if how == subprocess.PIPE:
+                read, write = os.pipe()
+                theirs.append(read if target == 0 else write)
+                ours.append(write if target == 0 else read)
+            elif how == subprocess.DEVNULL:
+                theirs.append(os.open(os.devnull, os.O_RDWR))
+                ours.append(None)
+            elif how is None:
+                theirs.append(os.dup(target))
+                ours.append(None)
+            else:
+                raise ValueError(f"a stream is None, subprocess.PIPE or subprocess.DEVNULL, not {how!r}")
+        starter = warmstart.starter(preload)
+        child = starter.start(list(argv), dict(os.environ if env is None else env), tuple(theirs),  # type: ignore[arg-type]
+                              session=session, cwd=cwd)
+    except BaseException:
+        for fd in [*theirs, *ours]:
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for name, fd in zip(("stdin", "stdout", "stderr"), ours):
+        if fd is not None:
+            stream = os.fdopen(fd, "wb" if name == "stdin" else "rb")
+            setattr(child, name, io.TextIOWrapper(stream, write_through=True) if text else stream)
+    return child
+
+
+def run(argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+        timeout: float | None = None, preload: tuple[str, ...] = TRAINER) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, stdin=DEVNULL,
+    timeout=timeout)`` forked from the warm starter of ``preload``: on a timeout the program is killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        stdio = (os.open(os.devnull, os.O_RDONLY), os.dup(out.fileno()), os.dup(err.fileno()))
+        try:
+            starter = warmstart.starter(preload)
+            child = starter.start(list(argv), dict(os.environ if env is None else env), stdio, cwd=cwd)
+        finally:
+            for fd in stdio:
+                os.close(fd)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            raise
+        finally:
+            if child.poll() is None:  # interrupted: it goes too, as subprocess.run's child
+                child.send_signal(signal.SIGKILL)
+                child.wait()
+        outputs = []
+        for f in (out, err):
+            f.seek(0)
+            outputs.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(list(argv), code, *outputs)
