@@ -56,7 +56,8 @@ docs-serve: $(VENV)/.docs proto
 # sockets much of its time (measured: 1.17 cores busy with -n 2). With the
 # daemons warm-started four beat three (12 min 57 s against 13 min 29 s);
 # six cost more CPU than they fill (14 min 19 s). benchmarks/RESULTS.md §35.
-PARALLEL := -n 4 --dist loadfile
+# The files' order is tests/conftest.py's (the long waits first), not xdist's.
+PARALLEL := -n 4 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PY) -m pytest $(PARALLEL) tests

@@ -78,6 +78,27 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_SESSION_ENV] = f"{os.getpid()}-{time.time_ns()}"
 
 
+# Files that mostly wait (a Ray cluster scaling, the differential tester's programs, the chaos runs' heartbeats
+# and timeouts), each of one or two tests: xdist (`--dist loadfile`) starts files with more tests first, so these
+# came last and ran alone on a machine otherwise idle. The Makefile turns xdist's reordering off; here they go
+# first, one in every other place, so that each process gets one beside a file that keeps the CPU busy.
+WAIT_FIRST = ("tests/multinode/test_ray_autoscale.py", "tests/integration/test_programs_1.py",
+              "tests/integration/test_chaos.py", "tests/integration/test_programs_2.py",
+              "tests/integration/test_programs_3.py", "tests/multinode/test_chaos.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "loadscopereorder", True):  # xdist orders the files itself
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    waits = [name for name in WAIT_FIRST if name in files]
+    rest = sorted((name for name in files if name not in waits), key=lambda name: -len(files[name]))  # as xdist
+    order = [name for pair in zip(waits, rest) for name in pair] + rest[len(waits):] + waits[len(rest):]
+    items[:] = [item for name in order for item in files[name]]
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not _is_xdist_worker(session.config):
         session.config.stash[_BEFORE] = leftovers()
