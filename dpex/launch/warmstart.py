@@ -14,7 +14,7 @@ its exit handlers run at its end. What modules read from the environment when
 imported (torch, gRPC), and Python's own start-up flags, are the starter's.
 
 The protocol, JSON lines on a socket pair: ``{"start": {argv, env, cwd, log,
-session, ignored}}`` is answered ``{"pid": N}`` or ``{"error": why}``; a request
+session, ignored, netns}}`` is answered ``{"pid": N}`` or ``{"error": why}``; a request
 whose ``log`` is null carries the child's stdin, stdout and stderr as file
 descriptors (SCM_RIGHTS). ``{"exited": N, "code": C}`` follows when the child
 ends (C as ``Popen.returncode``). The starter exits when its socket closes (its
@@ -86,7 +86,7 @@ class WarmStarter:
             raise OSError(f"the warm starter did not start: {hello}")
 
     def start(self, argv: list[str], env: dict[str, str], output: str | tuple[int, int, int],
-              session: bool = False, cwd: str | None = None) -> WarmProcess:
+              session: bool = False, cwd: str | None = None, netns: str | None = None) -> WarmProcess:
         """Forks ``python ARGV``: ``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT ARGS``.
 
         Args:
@@ -95,10 +95,12 @@ class WarmStarter:
             output: a log file its stdout and stderr are appended to (stdin: /dev/null), or its
                 stdin, stdout and stderr as file descriptors (the caller closes its own).
             session: in a session of its own.
-            cwd: its working directory; None: this process's."""
+            cwd: its working directory; None: this process's.
+            netns: (root) the network namespace it runs in, by its ``ip netns`` name, as under
+                ``ip netns exec NAME`` (only the network: not that command's /etc/netns files)."""
         logged = isinstance(output, str)
         request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "log": output if logged else None,
-                   "session": session, "ignored": _ignored_signals()}
+                   "session": session, "ignored": _ignored_signals(), "netns": netns}
         line = json.dumps({"start": request}).encode() + b"\n"
         with self._lock:
             if self.lost:
@@ -331,6 +333,8 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
+    if request.get("netns"):
+        _enter_netns(request["netns"])
     cwd = request["cwd"]
     os.chdir(cwd)
     multiprocessing.process.ORIGINAL_DIR = cwd  # where a spawned child finds a relative __main__
@@ -367,6 +371,18 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def _enter_netns(name: str) -> None:
+    """Moves this (single-threaded) process into the network namespace ``ip netns`` calls ``name``."""
+    import ctypes
+    fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter the network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 def _run_main(argv: list[str], pythonpath: list[str]) -> None:

@@ -12,12 +12,14 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 from dpex.auth import TOKEN_ENV
+from dpex.launch import warmstart
+from dpex.procutil import PARENT_ENV
+from dpex.testing import programs
 from dpex.testing.cluster import HEARTBEAT_TIMEOUT_S, wait_until
 from dpex.testing.nodes import write_node_data
 
@@ -46,7 +48,7 @@ class NetnsCluster:
         self.samples = samples
         self.hb_timeout = heartbeat_timeout_s
         self.nodes: dict[str, str] = {}          # node -> its IP
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Any] = {}  # Popen-like (warmstart.WarmProcess)
         self._next_host = 10
         try:
             subprocess.run(["ip", "netns", "add", f"{self.tag}-hub"], check=True, capture_output=True)
@@ -103,11 +105,12 @@ class NetnsCluster:
                         "rate", f"{mbit}mbit", "burst", "64kb", "latency", "1s"], check=True, capture_output=True)
 
     # ---- daemons ------------------------------------------------------------------
-    def _spawn(self, node: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(os.path.join(self.dir, f"{node}.log"), "ab")
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(node), sys.executable, *args],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, TOKEN_ENV: self.token, **(env or {})})
+    # Each a process in its node's namespace, forked from a warm starter (dpex.launch.warmstart) that
+    # imported torch and the daemons once, as `ip netns exec NS python ARGS` would run it.
+    def _spawn(self, node: str, args: list[str], env: dict[str, str] | None = None) -> Any:
+        env = {**os.environ, TOKEN_ENV: self.token, PARENT_ENV: str(os.getpid()), **(env or {})}  # ends with us
+        return warmstart.starter().start(list(args), env,
+                                         os.path.join(self.dir, f"{node}.log"), netns=self.ns(node))
 
     def _await_ready(self, node: str, ready: str) -> None:
         proc = self.procs[node]
@@ -160,18 +163,16 @@ class NetnsCluster:
         self.procs[node].send_signal(signal.SIGKILL)
         self.procs[node].wait()
 
-    def run_trainer(self, epochs: int, delay_s: float) -> subprocess.Popen:
-        """Starts dpex.testing.nodes' trainer in the trainer's namespace (no data there)."""
-        return subprocess.Popen(["ip", "netns", "exec", self.ns("trainer"), sys.executable, "-m",
-                                 "dpex.testing.nodes", "train", self.address, str(self.samples), str(epochs),
-                                 str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=self._trainer_env())
+    def run_trainer(self, epochs: int, delay_s: float) -> Any:
+        """Starts dpex.testing.nodes' trainer in the trainer's namespace (no data there), as ``Popen``."""
+        return programs.popen(["-m", "dpex.testing.nodes", "train", self.address, str(self.samples), str(epochs),
+                               str(delay_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=self._trainer_env(), netns=self.ns("trainer"))
 
     def run(self, node: str, args: list[str], cwd: str | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
         """Runs ``python ARGS`` on ``node`` (with the cluster's token) to its end."""
-        return subprocess.run(["ip", "netns", "exec", self.ns(node), sys.executable, *args], capture_output=True,
-                              text=True, env=self._trainer_env(), cwd=cwd, timeout=timeout)
+        return programs.run(args, cwd=cwd, env=self._trainer_env(), timeout=timeout, netns=self.ns(node))
 
     def _trainer_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "DPEX_NODE_DATA"}

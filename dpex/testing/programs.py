@@ -24,10 +24,10 @@ LIGHTNING = (*TRAINER, "pytorch_lightning")
 
 def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = None, stderr: int | None = None,
           text: bool = False, cwd: str | None = None, env: dict[str, str] | None = None,
-          preload: tuple[str, ...] = TRAINER, session: bool = False) -> warmstart.WarmProcess:
+          preload: tuple[str, ...] = TRAINER, session: bool = False, netns: str | None = None) -> warmstart.WarmProcess:
     """``python ARGV`` (``-c CODE ARGS``, ``-m MODULE ARGS``, ``SCRIPT ARGS``) forked from the warm
     starter of ``preload``, as ``subprocess.Popen``: each stream None (this process's), ``subprocess.PIPE``
-    or ``subprocess.DEVNULL``."""
+    or ``subprocess.DEVNULL``; in the network namespace ``netns`` if given (as ``ip netns exec``)."""
     theirs, ours = [], []
     try:
         for target, how in enumerate((stdin, stdout, stderr)):
@@ -45,7 +45,7 @@ def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = Non
                 raise ValueError(f"a stream is None, subprocess.PIPE or subprocess.DEVNULL, not {how!r}")
         starter = warmstart.starter(preload)
         child = starter.start(list(argv), dict(os.environ if env is None else env), tuple(theirs),  # type: ignore[arg-type]
-                              session=session, cwd=cwd)
+                              session=session, cwd=cwd, netns=netns)
     except BaseException:
         for fd in [*theirs, *ours]:
             if fd is not None:
@@ -65,15 +65,16 @@ def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = Non
 
 
 def run(argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-        timeout: float | None = None, preload: tuple[str, ...] = TRAINER) -> subprocess.CompletedProcess:
+        timeout: float | None = None, preload: tuple[str, ...] = TRAINER,
+        netns: str | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, stdin=DEVNULL,
-    timeout=timeout)`` forked from the warm starter of ``preload``: on a timeout the program is killed and
-    ``subprocess.TimeoutExpired`` raised."""
+    timeout=timeout)`` forked from the warm starter of ``preload`` (in the network namespace ``netns`` if
+    given): on a timeout the program is killed and ``subprocess.TimeoutExpired`` raised."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         stdio = (os.open(os.devnull, os.O_RDONLY), os.dup(out.fileno()), os.dup(err.fileno()))
         try:
             starter = warmstart.starter(preload)
-            child = starter.start(list(argv), dict(os.environ if env is None else env), stdio, cwd=cwd)
+            child = starter.start(list(argv), dict(os.environ if env is None else env), stdio, cwd=cwd, netns=netns)
         finally:
             for fd in stdio:
                 os.close(fd)

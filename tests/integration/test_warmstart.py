@@ -17,7 +17,7 @@ from dpex.daemon import spawn
 from dpex.launch import warmstart
 from dpex.launch.embedded import stop_embedded
 from dpex.procutil import PARENT_ENV
-from dpex.testing import descendants, pids_alive, programs, test_cluster, wait_until
+from dpex.testing import descendants, netns, pids_alive, programs, test_cluster, wait_until
 
 PROBE = textwrap.dedent("""
     import json, multiprocessing, os, signal, sys, tempfile
@@ -225,3 +225,17 @@ def test_a_warm_started_programs_pipes_are_popens(probe, tmp_path):
     program.stdout.close()
     with pytest.raises(subprocess.TimeoutExpired):  # killed at its timeout, as subprocess.run's
         programs.run(["-c", "import time\nwhile True: time.sleep(1)"], env=probe, timeout=0.5)
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root and ip netns")
+def test_a_warm_started_program_in_a_network_namespace_sees_what_ip_netns_exec_shows_it():
+    code = "import socket; print(sorted(name for _, name in socket.if_nameindex()))"
+    with netns.NetnsCluster(workers=0, dispatcher=False) as hosts:
+        new = subprocess.run(["ip", "netns", "exec", hosts.ns("trainer"), sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=120)
+        warm = programs.run(["-c", code], netns=hosts.ns("trainer"), timeout=120)
+        assert warm.returncode == new.returncode == 0, (warm.stderr, new.stderr)
+        assert warm.stdout == new.stdout and "lo" in warm.stdout
+        assert warm.stdout != programs.run(["-c", code], timeout=120).stdout  # not this host's interfaces
+    gone = programs.run(["-c", code], netns=hosts.ns("trainer"), timeout=120)  # deleted with the hosts
+    assert gone.returncode == 1 and "No such file or directory" in gone.stderr
