@@ -44,6 +44,79 @@ def forget_forkserver() -> None:
     server._lock = threading.Lock()
 
 
+def fork_forkserver() -> None:
+    """Starts multiprocessing's forkserver for this process as a fork of it, not a new interpreter
+    (``ForkServer.ensure_running`` spawns one, which imports its preloaded modules again): its children
+    have at once what this process imported. Only while this process runs one thread. The server holds
+    its socket, the "alive" pipe and stdio, as a spawned one; this process's other descriptors are closed
+    there. Sets the fields ``ensure_running`` sets (``_forkserver_address``, ``_alive_fd``, ``_pid``)."""
+    import gc
+    import os
+    import socket
+    from multiprocessing import connection, forkserver
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:  # (multiprocessing's resource tracker starts with the first child, as it would)
+        if server._forkserver_pid is not None:
+            return
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        gc.freeze()  # objects whose descriptors are closed below are never collected here
+                        keep = {0, 1, 2, listener.fileno(), alive_r}
+                        for fd in [int(fd) for fd in os.listdir("/proc/self/fd")]:
+                            if fd not in keep:
+                                try:
+                                    os.close(fd)
+                                except OSError:  # listdir's own, gone already
+                                    pass
+                        forkserver.main(listener.fileno(), alive_r, [])
+                    finally:
+                        os._exit(0)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+
+
+def stop_forkserver(timeout_s: float) -> None:
+    """Stops this process's forkserver, if it has one, as ``ForkServer._stop`` does (closes the "alive"
+    pipe, reaps the server, removes its socket), waiting at most ``timeout_s`` before it kills it (a
+    child of the server that still runs holds the pipe open)."""
+    import os
+    import signal
+    import time
+    from multiprocessing import forkserver
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is None:
+            return
+        os.close(server._forkserver_alive_fd)
+        deadline = time.monotonic() + timeout_s
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+        try:
+            os.unlink(server._forkserver_address)
+        except (OSError, TypeError):  # gone with its directory, or an abstract address
+            pass
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
 def finish_interpreter() -> None:
     """What Python does at exit before it tears its modules down, for a forked child that ends with
     ``os._exit``: waits for the threads that are not daemons (``threading._shutdown``), then runs the

@@ -89,7 +89,8 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
     setup("info")
     # First, while this process has one thread: the batch processes, forked with torch imported.
     # Its processes are the loader's num_workers: they take its batches in turn, as torch's workers.
-    pool = BatchPool(processes, fork=True, in_turn=True)
+    forked = daemon.fork_first(lambda: BatchPool(processes, fork=True, in_turn=True))
+    pool = forked.pool
     try:
         reuse_freed_memory()  # as dpex-worker; after the fork: the batch processes keep glibc's defaults
         address = _read_address(address_pipe)
@@ -102,7 +103,7 @@ def _serve(processes: int, address_pipe: int, ready: str, log_path: str, auth_to
         pool.close()
         raise
     _watch(trainer)
-    daemon.run(config, pool, ready)
+    daemon.run(config, forked, ready)
 
 
 def _read_address(fd: int) -> str:

@@ -32,6 +32,7 @@ from dpex.worker.dataport import DataPort
 from dpex.worker.meter import Meter
 from dpex.worker.pool import BatchPool
 from dpex.worker.runtime import inspect
+from dpex.worker import stream
 from dpex.worker.scheduler import Scheduler
 from dpex.worker.service import WorkerService
 
@@ -83,9 +84,11 @@ def check_data_paths(paths: tuple[str, ...]) -> None:
 
 
 class WorkerServer:
-    def __init__(self, config: WorkerConfig, pool: BatchPool | None = None) -> None:
+    def __init__(self, config: WorkerConfig, pool: BatchPool | None = None, job_dir: str | None = None) -> None:
         """``pool``: batch processes made before this server (an embedded
-        worker forks them before it runs any thread); default: a new pool."""
+        worker forks them before it runs any thread); default: a new pool.
+        ``job_dir``: this worker's directory, made with them (dpex.worker.daemon.fork_first);
+        default: a new one."""
         check_code_source(config)
         check_data_paths(config.data_paths)
         self.config = config
@@ -107,7 +110,7 @@ class WorkerServer:
             self._loop.close()
             raise
         self.address = f"{advertised_host(config)}:{port}"
-        self._job_dir = temp_dir("worker")  # named by pid: a later worker removes it if we are killed
+        self._job_dir = job_dir or temp_dir("worker")  # named by pid: a later worker removes it if we are killed
         if pool is None:
             self.pool = BatchPool(config.processes, self.address, shared_memory=config.shared_memory,
                                   handoff_min_bytes=config.shm_min_bytes, in_turn=config.in_turn,
@@ -279,6 +282,7 @@ class WorkerServer:
         if hasattr(self, "scheduler"):
             self.scheduler.close()
         self.pool.close()
+        stream.stop_context()  # the streams' forkserver: its socket is in the job directory
         if hasattr(self, "_loop"):
             self._rpc_threads.shutdown(wait=False)
             self._stream_threads.shutdown(wait=False)

@@ -2,7 +2,7 @@
 its own, as torch's worker k does (get_worker_info() says k of N), iterates
 the dataset, batches, collates and encodes; batch j is seq ``j * N + k``.
 Stream processes are forked from the daemon's forkserver, which has torch
-imported.
+imported (forked from the daemon at its start where that is safe, else spawned).
 
 The process sends one frame per credit the daemon grants over a pipe
 (dpex.worker.runners.StreamRunner is the daemon's side), so a stream never
@@ -179,6 +179,22 @@ def _replica(dataset: Any) -> bytes:
 
 
 _context: Any = None
+
+
+def fork_context(temp_dir: str) -> None:
+    """Forks this daemon's forkserver now, from the daemon while it runs one thread (torch imported):
+    its streams then never wait for a new interpreter's imports (``stream_context`` spawns one
+    otherwise, at the first stream). Its socket goes in ``temp_dir``, as stream_context's."""
+    global _context
+    stdlib.set_multiprocessing_tempdir(temp_dir)
+    stdlib.fork_forkserver()
+    _context = multiprocessing.get_context("forkserver")
+
+
+def stop_context(timeout_s: float = 10.0) -> None:
+    """Stops this daemon's forkserver, if it started one, and waits for it (a worker that stops leaves
+    no process behind): its streams have ended with their runners."""
+    stdlib.stop_forkserver(timeout_s)
 
 
 def stream_context(temp_dir: str) -> Any:

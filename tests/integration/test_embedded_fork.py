@@ -76,8 +76,9 @@ def test_the_embedded_worker_is_forked_from_the_trainer_and_gives_torchs_batches
     """)
     assert got["got"] == got["want"] and got["again"] != got["want"]  # a new shuffle, as torch's
     assert "KeyError" in got["want"]
-    # The worker daemon and its two batch processes are forks of the trainer; the dispatcher is spawned.
-    assert got["kinds"] == {"forked": 3, "dispatcher": 1}
+    # The worker daemon, its two batch processes and its streams' forkserver are forks of the trainer; the
+    # dispatcher is spawned.
+    assert got["kinds"] == {"forked": 4, "dispatcher": 1}
 
 
 def test_a_trainer_where_grpc_runs_threads_spawns_its_worker_instead():
@@ -99,9 +100,9 @@ def test_a_trainer_where_grpc_runs_threads_spawns_its_worker_instead():
 
 
 def spawned(kinds: dict) -> None:
-    """A spawned worker daemon and its batch process, which the daemon forked
-    (so it has the daemon's command line); nothing forked from the trainer."""
-    assert "forked" not in kinds and kinds["dispatcher"] == 1 and kinds["worker"] == 2
+    """A spawned worker daemon, its batch process and its streams' forkserver, which the daemon forked
+    (so they have the daemon's command line); nothing forked from the trainer."""
+    assert "forked" not in kinds and kinds["dispatcher"] == 1 and kinds["worker"] == 3
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
@@ -130,7 +131,7 @@ def test_a_loader_made_in_a_thread_that_ends_keeps_its_forked_worker():
     """)
     assert got["got"] == got["want"]
     assert got["again"] == [[0, 1], [2, 3], [4]]
-    assert got["kinds"] == {"forked": 2, "dispatcher": 1}
+    assert got["kinds"] == {"forked": 3, "dispatcher": 1}  # the worker, its batch process, its forkserver
 
 
 def test_a_forked_batch_process_that_dies_is_reported_and_the_pool_starts_again():
@@ -163,11 +164,13 @@ def test_a_forked_batch_process_that_dies_is_reported_and_the_pool_starts_again(
     assert got["first"] == [[0, 1], [2, 3]]
     assert "is killed by signal: Segmentation fault. It was making this batch, reading dataset[5]" in got["error"]
     assert got["again"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert got["kinds"]["forked"] == 1 and got["kinds"]["spawned"] >= 1  # the worker, its new process
+    # the worker and its forkserver; its new batch process
+    assert got["kinds"]["forked"] == 2 and got["kinds"]["spawned"] >= 1
 
 
 def test_an_iterable_dataset_on_a_forked_worker_of_a_trainer_that_ran_a_forkserver():
-    """Streams are forked from the worker's own forkserver, not the trainer's (which the fork copied)."""
+    """Streams are forked from the worker's own forkserver (forked from the worker as it started), not the
+    trainer's (which the fork copied)."""
     got = run("""
         from dpex.testing.datasets import AugmentedStream
         def epoch(loader):
@@ -179,7 +182,7 @@ def test_an_iterable_dataset_on_a_forked_worker_of_a_trainer_that_ran_a_forkserv
                               kinds=kinds())))
     """)
     assert got["got"] == got["want"] and len(got["want"]) == 6  # torch's workers are the oracle for the draws
-    assert got["kinds"]["forked"] == 3  # the worker and its batch processes; its forkserver is spawned
+    assert got["kinds"]["forked"] == 4  # the worker, its batch processes and its forkserver (none spawned)
 
 
 def test_a_forked_child_of_a_process_that_used_dpex_fails_at_once_and_a_spawned_one_works(tmp_path):

@@ -74,16 +74,18 @@ def test_torchs_argument_checks(cluster, arg):
 
 
 
-def test_a_streams_process_starts_without_the_workers_main_or_grpc(cluster):
-    """A stream's process is forked from the worker's forkserver each epoch: it neither re-runs
-    dpex-worker's main module (multiprocessing would, and import its server) nor imports the client's
-    gRPC to unpickle the job's dataset (each cost a quarter of a second per epoch, issue 55's tester)."""
-    class WhatTheStreamImported(torch.utils.data.IterableDataset):  # here: pickled by value, as a script's
+def test_a_streams_process_starts_without_the_workers_main_or_grpc_threads(cluster):
+    """A stream's process is forked each epoch from the worker's forkserver, itself forked from the worker
+    as it started: it imports nothing again (its modules, gRPC's among them, are the worker's as they were
+    before its server started), runs no gRPC thread, and does not re-run dpex-worker's main module
+    (multiprocessing would, and import its server: a quarter of a second per epoch, issue 55's tester)."""
+    class WhatTheStreamHas(torch.utils.data.IterableDataset):  # here: pickled by value, as a script's
         def __iter__(self):
+            from dpex.daemon import can_fork
             main = sys.modules.get("__mp_main__")
-            yield {"grpc": "grpc" in sys.modules, "main": str(getattr(main, "__file__", None)),
-                   "main_spec": str(getattr(main, "__spec__", None))}
+            yield {"grpc_threads": not can_fork(), "torch": "torch" in sys.modules,
+                   "main": str(getattr(main, "__file__", None)), "main_spec": str(getattr(main, "__spec__", None))}
 
-    with DpexDataLoader(WhatTheStreamImported(), distribute_mode=True, head_address=cluster.address,
+    with DpexDataLoader(WhatTheStreamHas(), distribute_mode=True, head_address=cluster.address,
                         batch_size=None, num_workers=1) as dl:
-        assert list(dl) == [{"grpc": False, "main": "None", "main_spec": "None"}]
+        assert list(dl) == [{"grpc_threads": False, "torch": True, "main": "None", "main_spec": "None"}]

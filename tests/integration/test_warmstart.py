@@ -146,7 +146,7 @@ def test_a_warm_cluster_stops_every_daemon_and_leaves_the_starter_for_the_next()
     before = set(descendants(os.getpid()))
     with test_cluster(2, processes=2) as cluster:
         started = [p for p in descendants(os.getpid()) if p not in before]
-        assert len(started) == 1 + 2 + 2 * 2
+        assert len(started) == 1 + 2 + 2 * 2 + 2  # the dispatcher, the workers, their batch processes and forkservers
         assert {w.process.pid for w in cluster.workers} <= set(descendants(starter.process.pid))
     assert pids_alive(started) == []
     assert [w.process.returncode for w in cluster.workers] == [0, 0]  # SIGTERM: drained, exit 0

@@ -92,7 +92,7 @@ def test_a_worker_that_cannot_start_closes_its_pool_and_forks_nothing(tmp_path):
     config = WorkerConfig(dispatcher="127.0.0.1:1", data_paths=(str(tmp_path / "missing"),))
     pool = Pool()
     with pytest.raises(DpexConfigError, match="missing"):
-        worker_daemon.run(config, pool, None)
+        worker_daemon.run(config, worker_daemon.Forked(pool, str(tmp_path)), None)
     assert pool.closed
     with pytest.raises(DpexConfigError, match="missing"):
         worker_daemon.forked_pool(config)

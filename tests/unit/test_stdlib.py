@@ -8,6 +8,8 @@ import textwrap
 from concurrent.futures import ProcessPoolExecutor
 
 from dpex import stdlib
+from dpex.procutil import alive
+from dpex.testing import wait_until
 
 
 def run(code: str) -> subprocess.CompletedProcess:
@@ -77,3 +79,28 @@ def test_a_forked_child_finishes_as_the_interpreter_does():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "thread,atexit"
+
+
+def test_a_forkserver_forked_from_this_process_serves_its_children_and_holds_none_of_its_files(tmp_path):
+    result = run(f"""
+        import multiprocessing, multiprocessing.forkserver as fs, os, sys
+        from dpex import stdlib
+        if __name__ == "__main__":
+            held = open({str(tmp_path / "held")!r}, "w")
+            stdlib.fork_forkserver()
+            server = fs._forkserver._forkserver_pid
+            assert os.waitpid(server, os.WNOHANG) == (0, 0)  # our child, alive
+            cmdline = lambda pid: open(f"/proc/{{pid}}/cmdline").read()
+            assert cmdline(server) == cmdline(os.getpid())  # a fork of this process, not a new interpreter
+            context = multiprocessing.get_context("forkserver")
+            p = context.Process(target=os.getpid)
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0 and fs._forkserver._forkserver_pid == server  # that server, not a new one
+            fds = [os.readlink(f"/proc/{{server}}/fd/{{fd}}") for fd in os.listdir(f"/proc/{{server}}/fd")]
+            assert held.name not in fds, fds
+            print(server)
+    """)
+    assert result.returncode == 0, result.stderr
+    server = int(result.stdout)
+    wait_until(lambda: not alive(server), 30, "the forkserver to end with its process")
