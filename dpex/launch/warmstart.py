@@ -43,16 +43,11 @@ PRELOAD = ("torch", "numpy", "grpc", "cloudpickle", "dpex.cmd.worker", "dpex.cmd
 
 # ---- the starter's side --------------------------------------------------------------------
 class WarmProcess(ChildProcess):
-    """A child of the warm starter, as a ``subprocess.Popen``: its end comes from the starter. Its
-    ``stdin``, ``stdout`` and ``stderr`` are None, or file objects its starter gave it
-    (``dpex.testing.programs``)."""
+    """A child of the warm starter, as a ``subprocess.Popen``: its end comes from the starter."""
 
     def __init__(self, pid: int, starter: "WarmStarter") -> None:
         super().__init__(pid)
         self._starter = starter
-        self.stdin: Any = None
-        self.stdout: Any = None
-        self.stderr: Any = None
 
     def _collect(self, timeout: float) -> None:
         self._starter.pump(timeout)
@@ -244,12 +239,16 @@ def _receive(sock: socket.socket, buf: bytes, timeout: float | None) -> tuple[di
 
 
 # ---- the warm starter process --------------------------------------------------------------
+_STARTERS_THREADS = 0  # torch's intra-op threads in the starter, as its environment made them
 def _serve(fd: int, preload: list[str]) -> None:
     die_with_parent_from_env()  # its starter died: so does it, and its children after it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for its children, who are in its group
     sock = socket.socket(fileno=fd)
     for name in preload:
         __import__(name)
+    global _STARTERS_THREADS
+    if "torch" in sys.modules:
+        _STARTERS_THREADS = sys.modules["torch"].get_num_threads()
     import gc
     gc.freeze()  # what the imports made stays shared with every child
     from dpex.daemon import can_fork
@@ -349,7 +348,11 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
     if "numpy" in sys.modules:  # each its own seed, as a new interpreter's (random's is reseeded at every fork)
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
-        sys.modules["torch"].seed()
+        torch = sys.modules["torch"]
+        torch.seed()
+        # The threads a new interpreter's torch would use: OpenMP read the starter's variable at import.
+        threads = env.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _STARTERS_THREADS)
     code: Any = 0
     interrupted = False
     try:

@@ -15,6 +15,9 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
+import time
+from typing import Any
 
 from dpex.launch import warmstart
 
@@ -22,9 +25,41 @@ TRAINER = ("torch", "numpy", "grpc", "cloudpickle", "dpex")  # a trainer's impor
 LIGHTNING = (*TRAINER, "pytorch_lightning")
 
 
+class Program:
+    """A program ``popen`` started, as a ``subprocess.Popen``: ``pid``, ``returncode``, ``poll``, ``wait``,
+    signals, ``stdin``/``stdout``/``stderr`` (None unless piped) and ``communicate``."""
+
+    def __init__(self, process: warmstart.WarmProcess, stdin: Any, stdout: Any, stderr: Any) -> None:
+        self._process = process
+        self.pid = process.pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+
+    def __getattr__(self, name: str) -> Any:  # returncode, poll, wait, send_signal, terminate, kill
+        return getattr(self._process, name)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Writes ``input``, reads stdout and stderr to their ends, waits for the exit, as Popen's."""
+        if self.stdin is not None:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        read: dict[str, Any] = {}
+        readers = [threading.Thread(target=lambda n=name, f=f: read.__setitem__(n, f.read()), daemon=True)
+                   for name, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f is not None]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)  # type: ignore[arg-type]
+        self._process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return read.get("stdout"), read.get("stderr")
+
+
 def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = None, stderr: int | None = None,
           text: bool = False, cwd: str | None = None, env: dict[str, str] | None = None,
-          preload: tuple[str, ...] = TRAINER, session: bool = False, netns: str | None = None) -> warmstart.WarmProcess:
+          preload: tuple[str, ...] = TRAINER, session: bool = False, netns: str | None = None) -> "Program":
     """``python ARGV`` (``-c CODE ARGS``, ``-m MODULE ARGS``, ``SCRIPT ARGS``) forked from the warm
     starter of ``preload``, as ``subprocess.Popen``: each stream None (this process's), ``subprocess.PIPE``
     or ``subprocess.DEVNULL``; in the network namespace ``netns`` if given (as ``ip netns exec``)."""
@@ -57,11 +92,10 @@ def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = Non
                 os.close(fd)
             except OSError:
                 pass
-    for name, fd in zip(("stdin", "stdout", "stderr"), ours):
-        if fd is not None:
-            stream = os.fdopen(fd, "wb" if name == "stdin" else "rb")
-            setattr(child, name, io.TextIOWrapper(stream, write_through=True) if text else stream)
-    return child
+    streams = [None if fd is None else os.fdopen(fd, "wb" if i == 0 else "rb") for i, fd in enumerate(ours)]
+    if text:
+        streams = [None if f is None else io.TextIOWrapper(f, write_through=True) for f in streams]
+    return Program(child, *streams)
 
 
 def run(argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,

@@ -6,14 +6,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
 
 from dpex import DpexDataLoader
 from dpex.launch import embedded
-from dpex.testing import descendants, pids_alive, wait_until
+from dpex.testing import descendants, pids_alive, programs, wait_until
 from tests.integration.commands import command
 from dpex.testing.datasets import Squares
 
@@ -27,9 +26,12 @@ def train(cluster, tmp_path, mode, distribute, *extra, check=True):
     # --log-dir: else torchrun leaves a torchelastic_* directory in /tmp
     cmd = ([command("torchrun"), "--standalone", "--nproc_per_node=2", "--log-dir",
             str(tmp_path / "elastic"), SCRIPT] if mode == "ddp"
-           else [sys.executable, SCRIPT]) + args
+           else [SCRIPT]) + args
     env = {**os.environ, "DPEX_DISPATCHER": cluster.address, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if mode == "ddp":
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    else:  # forked warm (dpex.testing.programs), as `python SCRIPT` runs it
+        done = programs.run(cmd, env=env, timeout=300)
     if not check:
         return done
     assert done.returncode == 0, done.stderr[-3000:]

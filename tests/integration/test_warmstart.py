@@ -31,7 +31,7 @@ PROBE = textwrap.dedent("""
             "own_session": os.getsid(0) == os.getpid(),
             "signals": {int(s): str(signal.getsignal(s)) for s in signal.valid_signals()
                         if s not in (signal.SIGKILL, signal.SIGSTOP)},
-            "stdin": os.read(0, 10).decode(),
+            "stdin": os.read(0, 10).decode(), "threads": torch.get_num_threads(),
             # what must differ between two daemons, as between two interpreters:
             "torch": torch.initial_seed(), "numpy": int(numpy.random.randint(2**31)), "authkey": multiprocessing.current_process().authkey.hex(),
         }, f)
@@ -48,7 +48,7 @@ def probe(tmp_path):
     (where / "dpexprobe.py").write_text(PROBE)  # written after the starter started: found all the same
     (tmp_path / "tmp").mkdir()
     return {**os.environ, "PYTHONPATH": str(where), "PROBE": "seen", "TMPDIR": str(tmp_path / "tmp"),
-            PARENT_ENV: str(os.getpid())}
+            PARENT_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}  # torch's threads: 1, not the starter's
 
 
 def run(how, env, tmp_path, name, code=0, session=False):
