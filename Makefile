@@ -13,20 +13,24 @@ setup: $(VENV)/.installed proto
 # torch first, pinned: a bare `torch` requirement would pull the CUDA build. The demo needs the
 # package and the proto compiler only; the tests add the `test`, `ray` and `docs` extras (the suite
 # builds the docs site).
-$(VENV)/.base: pyproject.toml
+$(VENV)/.torch: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_PIN)
+	touch $@
+
+$(VENV)/.base: $(VENV)/.torch
 	$(PIP) install --quiet -e '.[proto]'
 	touch $@
 
 # The page test drives Debian's Chromium (Playwright, with no browser download of its
 # own): installed here where it is missing and we may (root); without it that test skips.
-$(VENV)/.installed: $(VENV)/.base
+# One install of the package with every extra (the demo's set is a part: marked done too).
+$(VENV)/.installed: $(VENV)/.torch
 	$(PIP) install --quiet -e '.[proto,test,ray,docs]'
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q chromium >/dev/null 2>&1; } \
 		|| echo "Chromium not installed: tests/integration/test_page.py will be skipped"
-	touch $@
+	touch $(VENV)/.base $@
 
 # Generated code lands in dpex/proto/ and is never edited; the virtual include
 # path makes the generated imports read `from dpex.proto import ...`.
