@@ -15,8 +15,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 from typing import Any
 
 from dpex.launch import warmstart
@@ -27,7 +25,7 @@ LIGHTNING = (*TRAINER, "pytorch_lightning")
 
 class Program:
     """A program ``popen`` started, as a ``subprocess.Popen``: ``pid``, ``returncode``, ``poll``, ``wait``,
-    signals, ``stdin``/``stdout``/``stderr`` (None unless piped) and ``communicate``."""
+    signals and ``stdin``/``stdout``/``stderr`` (None unless piped)."""
 
     def __init__(self, process: warmstart.WarmProcess, stdin: Any, stdout: Any, stderr: Any) -> None:
         self._process = process
@@ -36,25 +34,6 @@ class Program:
 
     def __getattr__(self, name: str) -> Any:  # returncode, poll, wait, send_signal, terminate, kill
         return getattr(self._process, name)
-
-    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
-        """Writes ``input``, reads stdout and stderr to their ends, waits for the exit, as Popen's."""
-        if self.stdin is not None:
-            if input:
-                self.stdin.write(input)
-            self.stdin.close()
-        read: dict[str, Any] = {}
-        readers = [threading.Thread(target=lambda n=name, f=f: read.__setitem__(n, f.read()), daemon=True)
-                   for name, f in (("stdout", self.stdout), ("stderr", self.stderr)) if f is not None]
-        for reader in readers:
-            reader.start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for reader in readers:
-            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if reader.is_alive():
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)  # type: ignore[arg-type]
-        self._process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return read.get("stdout"), read.get("stderr")
 
 
 def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = None, stderr: int | None = None,

@@ -5,6 +5,7 @@ a rerun of the same command under its job name (after kill -9 too) takes its
 consumer over, and a sweep's trials in processes of their own share one label."""
 import signal
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from dpex.proto import dispatcher_pb2 as dpb
 from dpex.proto import dispatcher_pb2_grpc as dgrpc
 from dpex.rpc import call, channel
-from dpex.testing import programs, test_cluster
+from dpex.testing import test_cluster
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -53,8 +54,8 @@ def cluster():
 def start(tmp_path, *args):
     script = tmp_path / "trial.py"
     script.write_text(SCRIPT)
-    return programs.popen([str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)  # forked warm, as `python trial.py` runs it
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("kind", ["tensor", "class"])
