@@ -53,7 +53,7 @@ def fork_forkserver() -> None:
     import gc
     import os
     import socket
-    from multiprocessing import connection, forkserver
+    from multiprocessing import connection, forkserver, util
     server = forkserver._forkserver  # type: ignore[attr-defined]
     with server._lock:  # (multiprocessing's resource tracker starts with the first child, as it would)
         if server._forkserver_pid is not None:
@@ -61,7 +61,8 @@ def fork_forkserver() -> None:
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
             listener.bind(address)
-            os.chmod(address, 0o600)
+            if not util.is_abstract_socket_namespace(address):  # as ensure_running
+                os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has
             try:
@@ -96,7 +97,7 @@ def stop_forkserver(timeout_s: float) -> None:
     import os
     import signal
     import time
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
     server = forkserver._forkserver  # type: ignore[attr-defined]
     with server._lock:
         pid = server._forkserver_pid
@@ -110,10 +111,11 @@ def stop_forkserver(timeout_s: float) -> None:
                 os.waitpid(pid, 0)
                 break
             time.sleep(0.01)
-        try:
-            os.unlink(server._forkserver_address)
-        except (OSError, TypeError):  # gone with its directory, or an abstract address
-            pass
+        if not util.is_abstract_socket_namespace(server._forkserver_address):
+            try:
+                os.unlink(server._forkserver_address)
+            except FileNotFoundError:  # gone with its directory
+                pass
         server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 
 

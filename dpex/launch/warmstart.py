@@ -239,16 +239,12 @@ def _receive(sock: socket.socket, buf: bytes, timeout: float | None) -> tuple[di
 
 
 # ---- the warm starter process --------------------------------------------------------------
-_STARTERS_THREADS = 0  # torch's intra-op threads in the starter, as its environment made them
 def _serve(fd: int, preload: list[str]) -> None:
     die_with_parent_from_env()  # its starter died: so does it, and its children after it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for its children, who are in its group
     sock = socket.socket(fileno=fd)
     for name in preload:
         __import__(name)
-    global _STARTERS_THREADS
-    if "torch" in sys.modules:
-        _STARTERS_THREADS = sys.modules["torch"].get_num_threads()
     import gc
     gc.freeze()  # what the imports made stays shared with every child
     from dpex.daemon import can_fork
@@ -350,9 +346,11 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         torch.seed()
-        # The threads a new interpreter's torch would use: OpenMP read the starter's variable at import.
+        # The threads a new interpreter's torch would use: OpenMP read the starter's variable at import
+        # (without one in its environment, the child keeps the starter's).
         threads = env.get("OMP_NUM_THREADS", "")
-        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _STARTERS_THREADS)
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
     code: Any = 0
     interrupted = False
     try:

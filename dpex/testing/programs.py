@@ -57,20 +57,18 @@ def popen(argv: list[str], *, stdin: int | None = None, stdout: int | None = Non
                 ours.append(None)
             else:
                 raise ValueError(f"a stream is None, subprocess.PIPE or subprocess.DEVNULL, not {how!r}")
-        starter = warmstart.starter(preload)
-        child = starter.start(list(argv), dict(os.environ if env is None else env), tuple(theirs),  # type: ignore[arg-type]
-                              session=session, cwd=cwd, netns=netns)
     except BaseException:
         for fd in [*theirs, *ours]:
             if fd is not None:
                 os.close(fd)
         raise
-    finally:
-        for fd in theirs:
-            try:
+    try:
+        child = _start(argv, theirs, cwd, env, preload, netns, session)
+    except BaseException:
+        for fd in ours:
+            if fd is not None:
                 os.close(fd)
-            except OSError:
-                pass
+        raise
     streams = [None if fd is None else os.fdopen(fd, "wb" if i == 0 else "rb") for i, fd in enumerate(ours)]
     if text:
         streams = [None if f is None else io.TextIOWrapper(f, write_through=True) for f in streams]
@@ -84,21 +82,12 @@ def run(argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None =
     timeout=timeout)`` forked from the warm starter of ``preload`` (in the network namespace ``netns`` if
     given): on a timeout the program is killed and ``subprocess.TimeoutExpired`` raised."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        stdio = (os.open(os.devnull, os.O_RDONLY), os.dup(out.fileno()), os.dup(err.fileno()))
-        try:
-            starter = warmstart.starter(preload)
-            child = starter.start(list(argv), dict(os.environ if env is None else env), stdio, cwd=cwd, netns=netns)
-        finally:
-            for fd in stdio:
-                os.close(fd)
+        stdio = [os.open(os.devnull, os.O_RDONLY), os.dup(out.fileno()), os.dup(err.fileno())]
+        child = _start(argv, stdio, cwd, env, preload, netns)
         try:
             code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-            raise
         finally:
-            if child.poll() is None:  # interrupted: it goes too, as subprocess.run's child
+            if child.poll() is None:  # timed out or interrupted: it goes too, as subprocess.run's child
                 child.send_signal(signal.SIGKILL)
                 child.wait()
         outputs = []
@@ -106,3 +95,15 @@ def run(argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None =
             f.seek(0)
             outputs.append(f.read().decode(errors="replace"))
     return subprocess.CompletedProcess(list(argv), code, *outputs)
+
+
+def _start(argv: list[str], stdio: list[int], cwd: str | None, env: dict[str, str] | None,
+           preload: tuple[str, ...], netns: str | None, session: bool = False) -> warmstart.WarmProcess:
+    """``python ARGV`` forked by the warm starter of ``preload`` with ``stdio`` as its stdin, stdout and
+    stderr; closes ``stdio`` here (the child has them)."""
+    try:
+        return warmstart.starter(preload).start(list(argv), dict(os.environ if env is None else env),
+                                                tuple(stdio), session=session, cwd=cwd, netns=netns)  # type: ignore[arg-type]
+    finally:
+        for fd in stdio:
+            os.close(fd)

@@ -185,10 +185,8 @@ def fork_context(temp_dir: str) -> None:
     """Forks this daemon's forkserver now, from the daemon while it runs one thread (torch imported):
     its streams then never wait for a new interpreter's imports (``stream_context`` spawns one
     otherwise, at the first stream). Its socket goes in ``temp_dir``, as stream_context's."""
-    global _context
-    stdlib.set_multiprocessing_tempdir(temp_dir)
-    stdlib.fork_forkserver()
-    _context = multiprocessing.get_context("forkserver")
+    stream_context(temp_dir)  # the context, and where its socket goes
+    stdlib.fork_forkserver()  # started now, by a fork: stream_context's own would be spawned at the first stream
 
 
 def stop_context(timeout_s: float = 10.0) -> None:
