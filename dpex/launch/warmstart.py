@@ -306,6 +306,7 @@ def _fork(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> in
         import traceback
         traceback.print_exc()
     finally:
+        flush_stdio()  # as Python's finalization, after the exit handlers
         os._exit(code)
     return 0  # not reached
 
@@ -328,12 +329,13 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
+    env = dict(request["env"])
+    _stdio_as_started(bool(env.get("PYTHONUNBUFFERED")))
     if request.get("netns"):
         _enter_netns(request["netns"])
     cwd = request["cwd"]
     os.chdir(cwd)
     multiprocessing.process.ORIGINAL_DIR = cwd  # where a spawned child finds a relative __main__
-    env = dict(request["env"])
     if PARENT_ENV in env:  # its parent is the starter, which ends with theirs
         env[PARENT_ENV] = str(os.getppid())
     os.environ.clear()
@@ -372,6 +374,25 @@ def _run(request: dict[str, Any], stdio: list[int], fds: tuple[int, ...]) -> int
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def _stdio_as_started(unbuffered: bool) -> None:
+    """In the child: ``sys.stdin``, ``sys.stdout`` and ``sys.stderr`` made again on descriptors 0-2, as a new
+    interpreter makes them (``create_stdio``): the starter's were made on /dev/null. Unbuffered under
+    PYTHONUNBUFFERED; else stdout line-buffered at a terminal (block-buffered on a pipe or file), stderr
+    line-buffered; the starter's encodings."""
+    import io
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        old = getattr(sys, f"__{name}__")
+        if old is None:
+            continue
+        writes = fd > 0
+        binary = io.open(fd, "wb" if writes else "rb", buffering=0 if writes and unbuffered else -1, closefd=False)
+        stream = io.TextIOWrapper(binary, encoding=old.encoding, errors=old.errors, newline="\n",
+                                  line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)),
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def _enter_netns(name: str) -> None:

@@ -214,6 +214,47 @@ def test_a_warm_started_program_runs_as_a_new_interpreter_runs_it(probe, tmp_pat
         assert warm.stderr == new.stderr == ""
 
 
+BUFFERING = "import os, sys\nprint('out')\nos.write(1, b'raw\\n')\nprint('err', file=sys.stderr)\nos.write(2, b'raw\\n')"
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_warm_started_programs_output_is_buffered_as_a_new_interpreters(probe, tmp_path, unbuffered):
+    """Python buffers a program's stdout on a pipe (its print after a raw write; all of it written at exit,
+    never lost), not under PYTHONUNBUFFERED, line by line at a terminal; stderr line by line: a new
+    interpreter is the oracle, whatever the starter's own buffering."""
+    env = {k: v for k, v in probe.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    new = subprocess.run([sys.executable, "-c", BUFFERING], env=env, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)
+    warm = programs.run(["-c", BUFFERING], env=env, timeout=120)
+    assert (warm.stdout, warm.stderr) == (new.stdout, new.stderr)
+    assert new.stdout == ("out\nraw\n" if unbuffered else "raw\nout\n") and new.stderr == "err\nraw\n"
+    at_terminal = []
+    for start in (lambda fds: subprocess.Popen([sys.executable, "-c", BUFFERING], env=env, stdin=fds[0],
+                                               stdout=fds[1], stderr=fds[2]),
+                  lambda fds: warmstart.starter(programs.TRAINER).start(["-c", BUFFERING], env, fds)):
+        leader, terminal = os.openpty()
+        try:
+            with open(os.devnull, "rb") as null:
+                process = start((null.fileno(), terminal, terminal))
+            os.close(terminal)
+            assert process.wait(60) == 0
+            out = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 1024)
+                except OSError:  # EIO: the terminal's last end closed, all read
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            at_terminal.append(out)
+        finally:
+            os.close(leader)
+    assert at_terminal[0] == at_terminal[1] == b"out\r\nraw\r\nerr\r\nraw\r\n"
+
+
 def test_a_warm_started_programs_pipes_are_popens(probe, tmp_path):
     program = programs.popen(["-c", "import sys\nfor line in sys.stdin: print(line.upper(), end='', flush=True)"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=probe)
