@@ -7,7 +7,8 @@ the suite's programs the same way (``dpex.testing.programs``).
 
 The child runs ``python ARGV`` (``-m MODULE ARGS``, ``-c CODE ARGS`` or ``SCRIPT
 ARGS``) as a new interpreter would: the environment, working directory,
-arguments and output it is given, its own session if asked, the signals a new
+arguments and output it is given (``sys.stdout`` buffered as Python buffers it
+there, flushed at its end), its own session if asked, the signals a new
 interpreter would have, the random generators reseeded, ``sys.argv``,
 ``sys.path`` and ``__main__`` as Python sets them, its threads waited for and
 its exit handlers run at its end. What modules read from the environment when
