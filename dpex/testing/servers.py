@@ -59,21 +59,38 @@ def slow_link(upstream: str, first_answer_s: float) -> Iterator[str]:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
+    threads: list[threading.Thread] = []
+
     def accept() -> None:
         while True:
             try:
                 client, _ = listener.accept()
-                server = socket.create_connection((host, int(port)))
-            except OSError:
+            except OSError:  # the listener shut down
                 return
+            try:
+                server = socket.create_connection((host, int(port)))
+            except OSError:  # the upstream is gone: so is this connection
+                client.close()
+                continue
             sockets.extend((client, server))
-            threading.Thread(target=pump, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=pump, args=(server, client, first_answer_s), daemon=True).start()
+            for src, dst, delay in ((client, server, 0.0), (server, client, first_answer_s)):
+                threads.append(threading.Thread(target=pump, args=(src, dst, delay), name="dpex-test-slow-link",
+                                                daemon=True))
+                threads[-1].start()
 
-    threading.Thread(target=accept, name="dpex-test-slow-link", daemon=True).start()
+    threads.append(threading.Thread(target=accept, name="dpex-test-slow-link", daemon=True))
+    threads[0].start()
     try:
         yield f"127.0.0.1:{listener.getsockname()[1]}"
     finally:
-        for s in sockets:
+        # A shutdown wakes a thread blocked in accept() or recv() on its socket (a close alone does not):
+        # the listener's first, so that no connection comes after the others'.
+        for each in sockets:
             with contextlib.suppress(OSError):
-                s.close()
+                each.shutdown(socket.SHUT_RDWR)
+            if each is listener:
+                threads[0].join(10)
+        for thread in threads:
+            thread.join(10)
+        for each in sockets:
+            each.close()
